@@ -1,0 +1,104 @@
+//! Types and constants shared by rksm's eBPF program (`rksm-ebpf`) and its daemon.
+//!
+//! Both sides must agree byte for byte on the layout of every map key and value and on where
+//! the program reads the tracepoint's fields, so those definitions live here, once, as
+//! `#[repr(C)]` types. The crate is `no_std` so the eBPF side can use it; the daemon enables
+//! the `user` feature to read the types out of aya maps.
+#![no_std]
+
+/// Page size the tracer rounds fault addresses down to (x86_64 base pages).
+pub const PAGE_SIZE: u64 = 4096;
+/// Mask that keeps the page part of a virtual address.
+pub const PAGE_MASK: u64 = !(PAGE_SIZE - 1);
+
+/// Where the program reads the fields of `exceptions:page_fault_user`.
+///
+/// The daemon checks these against the tracepoint's format file before it loads the program
+/// and refuses to run if they differ: reading at a wrong offset would silently turn every
+/// fault into garbage.
+pub mod tracepoint {
+    /// Tracefs category of the tracepoint.
+    pub const CATEGORY: &str = "exceptions";
+    /// Tracefs name of the tracepoint.
+    pub const NAME: &str = "page_fault_user";
+    /// `unsigned long address`: the faulting virtual address.
+    pub const ADDRESS_OFFSET: usize = 8;
+    /// `unsigned long ip`: the user instruction pointer (not used, checked for layout).
+    pub const IP_OFFSET: usize = 16;
+    /// `unsigned long error_code`: the x86 page-fault error code.
+    pub const ERROR_CODE_OFFSET: usize = 24;
+    /// Size of each of the three fields above.
+    pub const FIELD_SIZE: usize = 8;
+    /// x86 page-fault error code bit: the access was a write.
+    pub const X86_PF_WRITE: u64 = 1 << 1;
+}
+
+/// Names of the program and its maps, as the eBPF object spells them.
+pub mod names {
+    /// The tracepoint program.
+    pub const PROGRAM: &str = "rksm_page_fault_user";
+    /// `HashMap<u32 tgid, TrackedProcess>`: which processes are traced, and their counters.
+    pub const TRACKED: &str = "RKSM_TRACKED";
+    /// `RingBuf` of [`WriteRecord`](crate::WriteRecord)s.
+    pub const RECORDS: &str = "RKSM_RECORDS";
+    /// `PerCpuArray<TracerCounters>` with a single slot.
+    pub const COUNTERS: &str = "RKSM_COUNTERS";
+}
+
+/// Default capacity of the tracked-process map.
+pub const MAX_TRACKED: u32 = 16384;
+/// Default size of the record ring in bytes (a power of two, a multiple of the page size).
+/// Each record takes 24 bytes in the ring (8 bytes of header), so this holds ~350k faults
+/// between two drains.
+pub const DEFAULT_RING_BYTES: u32 = 8 << 20;
+
+/// One write fault of a tracked process, as the program pushes it into the ring.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WriteRecord {
+    /// Process (thread-group) id of the faulting task.
+    pub tgid: u32,
+    /// Reserved, zero; keeps `page` 8-byte aligned without implicit padding.
+    pub _pad: u32,
+    /// Faulting virtual address rounded down to its page.
+    pub page: u64,
+}
+
+/// Value of the tracked-process map: the per-process counters the program maintains.
+///
+/// The program only updates existing entries (with atomic adds), never inserts: the daemon
+/// decides which processes are tracked, and a full map can never cost a record.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TrackedProcess {
+    /// Write faults seen for this process since it was tracked.
+    pub write_faults: u64,
+    /// Write faults that could not be stored in the ring. Any increase means the daemon must
+    /// treat the whole process as written.
+    pub lost: u64,
+}
+
+/// Per-CPU counters of the program, summed by the daemon.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TracerCounters {
+    /// Every `page_fault_user` event the program ran for.
+    pub events: u64,
+    /// Write faults of tracked processes.
+    pub tracked_writes: u64,
+    /// Write faults stored in the ring.
+    pub recorded: u64,
+    /// Write faults that could not be stored (ring full).
+    pub lost: u64,
+}
+
+#[cfg(feature = "user")]
+mod user {
+    // SAFETY: all three are #[repr(C)], made only of u32/u64 fields with explicit padding, so
+    // every bit pattern is a valid value and there are no uninitialised bytes.
+    unsafe impl aya::Pod for super::WriteRecord {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::TrackedProcess {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::TracerCounters {}
+}

@@ -1,0 +1,55 @@
+//! Flags, subcommands and how each maps onto the library.
+
+use std::io::Write;
+
+use clap::{Parser, Subcommand};
+
+mod trace;
+
+/// An error in what the user asked for (as opposed to a failure doing it): exit status 2.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct BadInput(pub String);
+
+/// rksm: deduplicate identical anonymous memory across processes, rehashing only the pages an
+/// eBPF write-fault tracer saw written.
+#[derive(Debug, Parser)]
+#[command(
+    name = "rksm",
+    version,
+    about,
+    long_about = None,
+    propagate_version = true,
+    after_help = "Example:\n  sudo rksm trace --pid 1234 --duration 10"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    Trace(trace::TraceArgs),
+}
+
+/// Runs the parsed command.
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Trace(args) => trace::run(args),
+    }
+}
+
+/// Logs go to stderr; `RUST_LOG` sets the level (default `info`). The eBPF program's own log
+/// lines arrive through the same logger, under the target `rksm`.
+pub fn init_logging() {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
+        .format(|buf, record| {
+            writeln!(
+                buf,
+                "rksm: {}: {}",
+                record.level().as_str().to_lowercase(),
+                record.args()
+            )
+        })
+        .init();
+}

@@ -1,0 +1,248 @@
+//! `rksm trace`.
+
+use std::{
+    io::{self, Write},
+    os::fd::{BorrowedFd, OwnedFd},
+    time::{Duration, Instant},
+};
+
+use anyhow::Context;
+use clap::Args;
+use rksm::{
+    targets::{Process, TargetError},
+    trace::{ProcessReport, TraceSession},
+    tracer::TracerConfig,
+};
+use tokio::{
+    io::{
+        unix::{AsyncFd, AsyncFdReadyGuard},
+        Interest,
+    },
+    signal::unix::{signal, SignalKind},
+};
+
+use super::BadInput;
+
+/// Show which pages of running processes get written, as the eBPF tracer sees them.
+///
+/// Every second prints, per process, the distinct pages written since tracing started and the
+/// write faults seen; a summary follows at the end (after --duration, Ctrl-C, or when every
+/// traced process has exited). Only the first write to a page after it became read-only
+/// faults (fresh pages, copy-on-write), so a page rewritten in place is counted once.
+#[derive(Debug, Args)]
+#[command(
+    after_help = "Example:\n  rksm trace --pid 1234 --pid 5678 --duration 10\n  rksm trace --pid \"$(pgrep -o memcached)\" --duration 5 --json"
+)]
+pub struct TraceArgs {
+    /// Process to trace (repeatable). A thread id traces its whole process.
+    #[arg(long = "pid", value_name = "PID", required = true, value_parser = clap::value_parser!(u32).range(1..))]
+    pids: Vec<u32>,
+    /// Stop after this many seconds (default: run until Ctrl-C).
+    #[arg(long, value_name = "SECS", value_parser = parse_seconds)]
+    duration: Option<f64>,
+    /// Print one JSON object at the end instead of the per-second lines and the table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 && v < 1e9 => Ok(v),
+        _ => Err(format!("`{s}` is not a positive number of seconds")),
+    }
+}
+
+#[derive(serde::Serialize)]
+struct JsonSummary<'a> {
+    processes: &'a [ProcessReport],
+    seconds: f64,
+}
+
+pub fn run(args: TraceArgs) -> anyhow::Result<()> {
+    let processes = open_targets(&args.pids)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the event loop")?;
+    runtime.block_on(trace(processes, &args))
+}
+
+/// Opens every pid; a missing or refused one is reported and skipped, unless none is left.
+fn open_targets(pids: &[u32]) -> anyhow::Result<Vec<Process>> {
+    let mut processes: Vec<Process> = Vec::new();
+    for &pid in pids {
+        match Process::open(pid) {
+            Ok(p) if processes.iter().any(|q| q.pid() == p.pid()) => {}
+            Ok(p) => {
+                if p.pid() != pid {
+                    eprintln!(
+                        "rksm: pid {pid} is a thread of process {}; tracing the process",
+                        p.pid()
+                    );
+                }
+                processes.push(p);
+            }
+            Err(e @ (TargetError::NotFound(_) | TargetError::Refused { .. })) => {
+                eprintln!("rksm: {e}; not tracing it");
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    if processes.is_empty() {
+        return Err(BadInput("none of the given processes can be traced".into()).into());
+    }
+    Ok(processes)
+}
+
+/// Registers a duplicate of `fd` with tokio, so the registration owns what it polls.
+fn watch(fd: BorrowedFd<'_>) -> io::Result<AsyncFd<OwnedFd>> {
+    let owned = fd.try_clone_to_owned()?;
+    // SAFETY: the AsyncFd owns `owned`, so the fd stays open and refers to the same file
+    // description for as long as it is registered.
+    unsafe { AsyncFd::register_with_interest(owned, Interest::READABLE) }.map_err(io::Error::from)
+}
+
+/// Readiness of an optional fd; never ready when there is none.
+async fn readable(fd: Option<&AsyncFd<OwnedFd>>) -> io::Result<AsyncFdReadyGuard<'_, OwnedFd>> {
+    match fd {
+        Some(fd) => fd.readable().await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn trace(processes: Vec<Process>, args: &TraceArgs) -> anyhow::Result<()> {
+    let pids: Vec<String> = processes.iter().map(|p| p.pid().to_string()).collect();
+    let mut session = TraceSession::start(processes, TracerConfig::default())?;
+    let started = Instant::now();
+    eprintln!(
+        "rksm: tracing write faults of pid {} ({})",
+        pids.join(", "),
+        match args.duration {
+            Some(d) => format!("for {d} s"),
+            None => "until Ctrl-C".into(),
+        }
+    );
+
+    // Drain whenever records arrive, not just once a second: a busy process can fill the
+    // ring within a second, and every record that does not fit is a loss.
+    let records = watch(session.tracer().records_fd()).context("polling the record ring")?;
+    let logs = match session.tracer().log_fd() {
+        Some(fd) => Some(watch(fd).context("polling the eBPF log ring")?),
+        None => None,
+    };
+    let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut tick = tokio::time::interval_at(
+        tokio::time::Instant::now() + Duration::from_secs(1),
+        Duration::from_secs(1),
+    );
+    let deadline = args
+        .duration
+        .map(|d| tokio::time::Instant::now() + Duration::from_secs_f64(d));
+    let until_deadline = async {
+        match deadline {
+            Some(at) => tokio::time::sleep_until(at).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(until_deadline);
+
+    loop {
+        tokio::select! {
+            guard = records.readable() => {
+                let mut guard = guard.context("polling the record ring")?;
+                session.drain();
+                guard.clear_ready();
+            }
+            guard = readable(logs.as_ref()) => {
+                let mut guard = guard.context("polling the eBPF log ring")?;
+                session.drain();
+                guard.clear_ready();
+            }
+            _ = tick.tick() => {
+                session.drain();
+                for gone in session.reap_exited()? {
+                    eprintln!("rksm: pid {} ({}) exited; its numbers are final", gone.pid, gone.comm);
+                }
+                if !args.json {
+                    print_progress(started.elapsed(), &session.report()?)?;
+                }
+                if session.all_exited() {
+                    eprintln!("rksm: every traced process has exited");
+                    break;
+                }
+            }
+            _ = &mut until_deadline => break,
+            _ = sigint.recv() => break,
+            _ = sigterm.recv() => break,
+        }
+    }
+    drop(records);
+    let seconds = started.elapsed().as_secs_f64();
+    let reports = session.finish()?;
+    let mut out = io::stdout().lock();
+    if args.json {
+        serde_json::to_writer(
+            &mut out,
+            &JsonSummary {
+                processes: &reports,
+                seconds,
+            },
+        )?;
+        writeln!(out)?;
+    } else {
+        print_summary(&mut out, seconds, &reports)?;
+    }
+    Ok(())
+}
+
+fn print_progress(elapsed: Duration, reports: &[ProcessReport]) -> io::Result<()> {
+    let mut out = io::stdout().lock();
+    for r in reports.iter().filter(|r| !r.exited) {
+        writeln!(
+            out,
+            "{:>6.1}s  pid {} ({}): {} written pages, {} write faults{}",
+            elapsed.as_secs_f64(),
+            r.pid,
+            r.comm,
+            r.written_pages,
+            r.write_faults,
+            lost_note(r.lost),
+        )?;
+    }
+    out.flush()
+}
+
+fn lost_note(lost: u64) -> String {
+    if lost == 0 {
+        String::new()
+    } else {
+        format!(", {lost} LOST (process treated as fully written)")
+    }
+}
+
+fn print_summary(out: &mut impl Write, seconds: f64, reports: &[ProcessReport]) -> io::Result<()> {
+    writeln!(
+        out,
+        "\ntraced {} process(es) for {seconds:.1} s",
+        reports.len()
+    )?;
+    writeln!(
+        out,
+        "{:>8}  {:<16} {:>14} {:>13} {:>8}",
+        "PID", "COMM", "WRITTEN_PAGES", "WRITE_FAULTS", "LOST"
+    )?;
+    for r in reports {
+        writeln!(
+            out,
+            "{:>8}  {:<16} {:>14} {:>13} {:>8}{}",
+            r.pid,
+            r.comm,
+            r.written_pages,
+            r.write_faults,
+            r.lost,
+            if r.exited { "  (exited)" } else { "" }
+        )?;
+    }
+    Ok(())
+}

@@ -1,0 +1,332 @@
+//! Targets: the processes rksm works on, and the ones it refuses.
+//!
+//! Everything rksm does to a process starts from a pid an operator typed or a scan found, and
+//! pids are racy: a process can exit and its pid be reused, a pid can name a thread rather
+//! than a process, or name a kernel thread that has no user memory. This module turns a pid
+//! into a [`Process`] held by a pidfd (so later checks refer to the same process, not to a
+//! recycled pid) or into a precise reason why rksm will not touch it.
+
+use std::{
+    fmt, fs, io,
+    os::fd::{AsRawFd, FromRawFd, OwnedFd},
+};
+
+/// `PF_EXITING` in /proc/PID/stat's flags: the task is being torn down.
+const PF_EXITING: u64 = 0x0000_0004;
+/// `PF_KTHREAD` in /proc/PID/stat's flags: a kernel thread, no user address space.
+const PF_KTHREAD: u64 = 0x0020_0000;
+
+/// Why rksm will not work on a process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum RefusalReason {
+    /// A kernel thread has no user memory to trace or merge.
+    KernelThread,
+    /// rksm itself: its own faults are invisible to its tracer, and it must never stop itself.
+    Rksm,
+    /// The process is exiting or a zombie.
+    Exiting,
+}
+
+impl RefusalReason {
+    /// A stable short name, used as a counter label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RefusalReason::KernelThread => "kernel_thread",
+            RefusalReason::Rksm => "rksm_itself",
+            RefusalReason::Exiting => "exiting",
+        }
+    }
+}
+
+impl fmt::Display for RefusalReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            RefusalReason::KernelThread => "it is a kernel thread",
+            RefusalReason::Rksm => "it is rksm itself",
+            RefusalReason::Exiting => "it is exiting",
+        })
+    }
+}
+
+/// Errors turning a pid into a [`Process`].
+#[derive(Debug, thiserror::Error)]
+pub enum TargetError {
+    /// No process or thread has this pid.
+    #[error("pid {0} does not exist")]
+    NotFound(u32),
+    /// The process exists but rksm will not work on it.
+    #[error("pid {pid} ({comm}) refused: {reason}")]
+    Refused {
+        /// The process.
+        pid: u32,
+        /// Its command name.
+        comm: String,
+        /// Why.
+        reason: RefusalReason,
+    },
+    /// /proc could not be read for another reason (permissions, a malformed file).
+    #[error("cannot inspect pid {pid}: {source}")]
+    Io {
+        /// The process.
+        pid: u32,
+        /// What failed.
+        source: io::Error,
+    },
+}
+
+/// A live user process, pinned by a pidfd.
+#[derive(Debug)]
+pub struct Process {
+    pid: u32,
+    comm: String,
+    pidfd: OwnedFd,
+}
+
+impl Process {
+    /// Opens the process `pid`. A thread id is resolved to its process (the tracer and
+    /// everything after it work per process).
+    pub fn open(pid: u32) -> Result<Self, TargetError> {
+        let before = ProcStat::read(pid)?;
+        let tgid = before.tgid;
+        let pidfd = pidfd_open(tgid).map_err(|e| match e.raw_os_error() {
+            Some(libc::ESRCH) => TargetError::NotFound(pid),
+            _ => TargetError::Io { pid, source: e },
+        })?;
+        // Read /proc again now that the pidfd pins the process: what it says is about the
+        // process the pidfd refers to, not about an earlier owner of the pid.
+        let stat = ProcStat::read(tgid)?;
+        let process = Process {
+            pid: tgid,
+            comm: stat.comm.clone(),
+            pidfd,
+        };
+        if process.has_exited() {
+            return Err(TargetError::NotFound(pid));
+        }
+        if let Some(reason) = stat.refusal() {
+            return Err(TargetError::Refused {
+                pid: tgid,
+                comm: stat.comm,
+                reason,
+            });
+        }
+        Ok(process)
+    }
+
+    /// The process id (thread-group id).
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// The command name, as in /proc/PID/comm.
+    pub fn comm(&self) -> &str {
+        &self.comm
+    }
+
+    /// True once the process has exited (its pidfd became readable). Never blocks.
+    pub fn has_exited(&self) -> bool {
+        let mut pfd = libc::pollfd {
+            fd: self.pidfd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, zero timeout; the fd is owned by self and open.
+        let n = unsafe { libc::poll(&mut pfd, 1, 0) };
+        n > 0 && pfd.revents != 0
+    }
+}
+
+fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1; no memory is passed.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the kernel just returned this fd to us and nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// What rksm needs from /proc/PID/stat and /proc/PID/status.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ProcStat {
+    pid: u32,
+    tgid: u32,
+    comm: String,
+    state: char,
+    flags: u64,
+}
+
+impl ProcStat {
+    fn read(pid: u32) -> Result<Self, TargetError> {
+        let not_found_or_io = |source: io::Error| match source.kind() {
+            io::ErrorKind::NotFound => TargetError::NotFound(pid),
+            _ => TargetError::Io { pid, source },
+        };
+        let stat = fs::read_to_string(format!("/proc/{pid}/stat")).map_err(not_found_or_io)?;
+        let status = fs::read_to_string(format!("/proc/{pid}/status")).map_err(not_found_or_io)?;
+        Self::parse(pid, &stat, &status).ok_or_else(|| TargetError::Io {
+            pid,
+            source: io::Error::new(io::ErrorKind::InvalidData, "malformed /proc/PID/stat"),
+        })
+    }
+
+    /// `stat` is `pid (comm) state ppid ...`; comm may itself contain spaces and parentheses,
+    /// so it ends at the *last* `)`. Flags are the 9th field.
+    fn parse(pid: u32, stat: &str, status: &str) -> Option<Self> {
+        let open = stat.find('(')?;
+        let close = stat.rfind(')')?;
+        let comm = stat.get(open + 1..close)?.to_string();
+        let mut rest = stat.get(close + 1..)?.split_ascii_whitespace();
+        let state = rest.next()?.chars().next()?;
+        let flags = rest.nth(5)?.parse().ok()?;
+        let tgid = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Tgid:"))?
+            .trim()
+            .parse()
+            .ok()?;
+        Some(ProcStat {
+            pid,
+            tgid,
+            comm,
+            state,
+            flags,
+        })
+    }
+
+    fn refusal(&self) -> Option<RefusalReason> {
+        if self.flags & PF_KTHREAD != 0 {
+            Some(RefusalReason::KernelThread)
+        } else if self.tgid == std::process::id() {
+            Some(RefusalReason::Rksm)
+        } else if self.flags & PF_EXITING != 0 || matches!(self.state, 'Z' | 'X' | 'x') {
+            Some(RefusalReason::Exiting)
+        } else {
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stat(pid: u32, tgid: u32, comm: &str, state: char, flags: u64) -> ProcStat {
+        let line = format!("{pid} ({comm}) {state} 1 1 1 0 -1 {flags} 0 0 0 0 0 0");
+        ProcStat::parse(
+            pid,
+            &line,
+            &format!("Name:\tx\nTgid:\t{tgid}\nPid:\t{pid}\n"),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn parses_comm_with_spaces_and_parentheses() {
+        let s = stat(42, 42, "evil ) (name", 'S', 4194560);
+        assert_eq!(s.comm, "evil ) (name");
+        assert_eq!(s.state, 'S');
+        assert_eq!(s.flags, 4194560);
+    }
+
+    #[test]
+    fn refusal_reasons_follow_flags_and_state() {
+        assert_eq!(
+            stat(2, 2, "kthreadd", 'S', PF_KTHREAD).refusal(),
+            Some(RefusalReason::KernelThread)
+        );
+        assert_eq!(
+            stat(9, 9, "dying", 'R', PF_EXITING).refusal(),
+            Some(RefusalReason::Exiting)
+        );
+        assert_eq!(
+            stat(9, 9, "zombie", 'Z', 0).refusal(),
+            Some(RefusalReason::Exiting)
+        );
+        let me = std::process::id();
+        assert_eq!(
+            stat(me, me, "rksm", 'R', 0).refusal(),
+            Some(RefusalReason::Rksm)
+        );
+        assert_eq!(stat(9, 9, "worker", 'S', 0x400100).refusal(), None);
+    }
+
+    #[test]
+    fn malformed_stat_is_rejected_not_panicked_on() {
+        assert_eq!(ProcStat::parse(1, "1 (init", "Tgid:\t1"), None);
+        assert_eq!(ProcStat::parse(1, "1 (init) S 0", "Tgid:\t1"), None);
+        assert_eq!(
+            ProcStat::parse(1, "1 (init) S 0 1 1 0 -1 4194560", "Pid:\t1"),
+            None
+        );
+    }
+
+    #[test]
+    fn opens_a_live_child_and_sees_it_exit() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let process = Process::open(child.id()).unwrap();
+        assert_eq!(process.pid(), child.id());
+        assert_eq!(process.comm(), "sleep");
+        assert!(!process.has_exited());
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(process.has_exited());
+    }
+
+    #[test]
+    fn refuses_itself_and_kernel_threads() {
+        let err = Process::open(std::process::id()).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                TargetError::Refused {
+                    reason: RefusalReason::Rksm,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        // kthreadd is pid 2 wherever there is a kernel with kernel threads visible in /proc.
+        let err = Process::open(2).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                TargetError::Refused {
+                    reason: RefusalReason::KernelThread,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_thread_id_resolves_to_its_process() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let handle = std::thread::spawn(move || {
+            // SAFETY: gettid has no arguments and cannot fail.
+            tx.send(unsafe { libc::gettid() } as u32).unwrap();
+            done_rx.recv().ok();
+        });
+        let tid = rx.recv().unwrap();
+        let err = Process::open(tid).unwrap_err();
+        // It resolves to this test process, which is then refused as "rksm itself".
+        assert!(
+            matches!(err, TargetError::Refused { pid, reason: RefusalReason::Rksm, .. } if pid == std::process::id()),
+            "{err}"
+        );
+        done_tx.send(()).unwrap();
+        handle.join().unwrap();
+    }
+
+    #[test]
+    fn a_missing_pid_is_not_found() {
+        // pid_max is at most 2^22, so this pid cannot exist.
+        let err = Process::open(4_194_305).unwrap_err();
+        assert!(matches!(err, TargetError::NotFound(4_194_305)), "{err}");
+    }
+}

@@ -1,0 +1,165 @@
+//! Helpers that make rksm's integration tests read like scenarios: a child process with
+//! known memory ([`TestChild`]), the `rksm` binary ([`rksm_command`]), and polling with a
+//! deadline ([`wait_for`]) instead of sleeping.
+
+use std::{
+    io::{BufRead, BufReader, Write},
+    path::PathBuf,
+    process::{Child, ChildStdin, ChildStdout, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+/// Page size of the machines rksm runs on.
+pub const PAGE: u64 = 4096;
+
+/// A running `rksm-testchild`, killed when dropped.
+pub struct TestChild {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+/// A region the child mapped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Region {
+    /// Region id in the child's protocol.
+    pub id: u32,
+    /// Address of its first page in the child.
+    pub base: u64,
+}
+
+impl Region {
+    /// Address of page `index` of the region.
+    pub fn page(&self, index: u64) -> u64 {
+        self.base + index * PAGE
+    }
+}
+
+impl TestChild {
+    /// Starts a child with no memory of its own beyond what a small program has.
+    pub fn spawn() -> TestChild {
+        let mut child = Command::new(built_binary("rksm-testchild"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawning rksm-testchild");
+        let stdin = child.stdin.take().expect("piped");
+        let stdout = BufReader::new(child.stdout.take().expect("piped"));
+        TestChild {
+            child,
+            stdin,
+            stdout,
+        }
+    }
+
+    /// The child's pid.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends one command and returns the reply; panics on an `error` reply.
+    pub fn command(&mut self, line: &str) -> String {
+        writeln!(self.stdin, "{line}").expect("child stdin");
+        let mut reply = String::new();
+        self.stdout.read_line(&mut reply).expect("child stdout");
+        let reply = reply.trim_end().to_string();
+        assert!(!reply.is_empty(), "child exited during `{line}`");
+        assert!(
+            !reply.starts_with("error"),
+            "child rejected `{line}`: {reply}"
+        );
+        reply
+    }
+
+    /// Maps `pages` fresh pages (none present yet).
+    pub fn map(&mut self, pages: u64) -> Region {
+        let reply = self.command(&format!("map {pages}"));
+        let mut words = reply.split_whitespace().skip(1);
+        let id = words
+            .next()
+            .and_then(|w| w.parse().ok())
+            .expect("region id");
+        let base = words
+            .next()
+            .and_then(|w| u64::from_str_radix(w.trim_start_matches("0x"), 16).ok())
+            .expect("region address");
+        Region { id, base }
+    }
+
+    /// Fills pages `first..first+count` of `region` with the content of `seed`.
+    pub fn write(&mut self, region: Region, first: u64, count: u64, seed: u64) {
+        let reply = self.command(&format!("write {} {first} {count} {seed}", region.id));
+        assert_eq!(reply, "ok");
+    }
+
+    /// Reads (and only reads) pages `first..first+count` of `region`.
+    pub fn read(&mut self, region: Region, first: u64, count: u64) {
+        let reply = self.command(&format!("read {} {first} {count}", region.id));
+        assert!(reply.starts_with("ok"), "{reply}");
+    }
+
+    /// Whether pages `first..first+count` still hold the content of `seed`.
+    pub fn verify(&mut self, region: Region, first: u64, count: u64, seed: u64) -> bool {
+        self.command(&format!("verify {} {first} {count} {seed}", region.id)) == "ok"
+    }
+
+    /// Asks the child to exit and waits for it.
+    pub fn exit(mut self) {
+        writeln!(self.stdin, "exit").expect("child stdin");
+        let status = self.child.wait().expect("waiting for child");
+        assert!(status.success(), "child exited with {status}");
+    }
+}
+
+impl Drop for TestChild {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The `rksm` binary of the same build as this test.
+pub fn rksm_command() -> Command {
+    Command::new(built_binary("rksm"))
+}
+
+/// A binary of this workspace from the same target directory and profile as the running test
+/// (`target/<profile>/deps/<test>` → `target/<profile>/<name>`).
+fn built_binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let bin = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .map(|profile| profile.join(name))
+        .expect("target directory");
+    assert!(
+        bin.exists(),
+        "{} is missing: run the tests with `cargo xtask test`, which builds it",
+        bin.display()
+    );
+    bin
+}
+
+/// Polls `condition` every 10 ms until it holds or `timeout` passes; returns whether it held.
+pub fn wait_for(timeout: Duration, mut condition: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if condition() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Panics with a clear message unless the tests run as root (they load eBPF programs).
+pub fn require_root() {
+    // SAFETY: geteuid has no arguments and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(
+        euid, 0,
+        "rksm's integration tests must run as root (cargo xtask test does)"
+    );
+}

@@ -1,0 +1,150 @@
+//! `rksm-testchild`: a process with exactly the memory a test asks for.
+//!
+//! Integration tests drive it over stdin/stdout, one command per line, so that they know
+//! which pages it touched, when, and with what contents:
+//!
+//! - `map PAGES` → `mapped ID ADDR`: a private anonymous region, huge pages off (a huge
+//!   page would make one fault cover 512 pages).
+//! - `write ID FIRST COUNT SEED` → `ok`: fills pages `FIRST..FIRST+COUNT` with the content of
+//!   `SEED` (the same content for every page, so equal seeds make duplicate pages).
+//! - `read ID FIRST COUNT` → `ok SUM`: reads one word of each page, writes nothing.
+//! - `verify ID FIRST COUNT SEED` → `ok` or `mismatch PAGE`: checks contents are intact.
+//! - `exit` → exits 0.
+//!
+//! Accesses are volatile so the compiler can neither drop nor merge them.
+
+use std::io::{self, BufRead, Write};
+
+const PAGE: usize = 4096;
+const WORDS: usize = PAGE / 8;
+
+fn word(seed: u64, i: usize) -> u64 {
+    (seed.wrapping_add(1))
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .rotate_left((i % 64) as u32)
+        ^ i as u64
+}
+
+#[derive(Clone, Copy)]
+struct Region {
+    base: *mut u64,
+    pages: usize,
+}
+
+impl Region {
+    fn map(pages: usize) -> Result<Region, String> {
+        let len = pages * PAGE;
+        // SAFETY: a fresh anonymous mapping; no existing memory is affected.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(format!("mmap: {}", io::Error::last_os_error()));
+        }
+        // SAFETY: ptr..ptr+len is the mapping just created.
+        if unsafe { libc::madvise(ptr, len, libc::MADV_NOHUGEPAGE) } != 0 {
+            return Err(format!("madvise: {}", io::Error::last_os_error()));
+        }
+        Ok(Region {
+            base: ptr.cast(),
+            pages,
+        })
+    }
+
+    fn page(&self, index: usize) -> Result<*mut u64, String> {
+        if index >= self.pages {
+            return Err(format!(
+                "page {index} is outside the region of {} pages",
+                self.pages
+            ));
+        }
+        // SAFETY: index < pages, so the offset stays inside the mapping.
+        Ok(unsafe { self.base.add(index * WORDS) })
+    }
+}
+
+fn run(line: &str, regions: &mut Vec<Region>) -> Result<String, String> {
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let num = |i: usize| -> Result<u64, String> {
+        words
+            .get(i)
+            .ok_or_else(|| format!("missing argument {i}"))?
+            .parse::<u64>()
+            .map_err(|e| format!("argument {i}: {e}"))
+    };
+    let region = |id: u64| -> Result<Region, String> {
+        regions
+            .get(id as usize)
+            .copied()
+            .ok_or_else(|| format!("no region {id}"))
+    };
+    match words.first().copied() {
+        Some("map") => {
+            let r = Region::map(num(1)? as usize)?;
+            let reply = format!("mapped {} {:#x}", regions.len(), r.base as usize);
+            regions.push(r);
+            Ok(reply)
+        }
+        Some("write") => {
+            let r = region(num(1)?)?;
+            let (first, count, seed) = (num(2)? as usize, num(3)? as usize, num(4)?);
+            for p in first..first + count {
+                let page = r.page(p)?;
+                for w in 0..WORDS {
+                    // SAFETY: w < WORDS keeps the write inside page `p` of the mapping.
+                    unsafe { page.add(w).write_volatile(word(seed, w)) };
+                }
+            }
+            Ok("ok".into())
+        }
+        Some("read") => {
+            let r = region(num(1)?)?;
+            let (first, count) = (num(2)? as usize, num(3)? as usize);
+            let mut sum = 0u64;
+            for p in first..first + count {
+                // SAFETY: the first word of a page inside the mapping.
+                sum = sum.wrapping_add(unsafe { r.page(p)?.read_volatile() });
+            }
+            Ok(format!("ok {sum}"))
+        }
+        Some("verify") => {
+            let r = region(num(1)?)?;
+            let (first, count, seed) = (num(2)? as usize, num(3)? as usize, num(4)?);
+            for p in first..first + count {
+                let page = r.page(p)?;
+                for w in 0..WORDS {
+                    // SAFETY: inside page `p` of the mapping.
+                    if unsafe { page.add(w).read_volatile() } != word(seed, w) {
+                        return Ok(format!("mismatch {p}"));
+                    }
+                }
+            }
+            Ok("ok".into())
+        }
+        Some("exit") => std::process::exit(0),
+        _ => Err(format!("unknown command `{line}`")),
+    }
+}
+
+fn main() {
+    let mut regions = Vec::new();
+    let stdin = io::stdin();
+    let mut stdout = io::stdout();
+    for line in stdin.lock().lines() {
+        let Ok(line) = line else { break };
+        let reply = run(&line, &mut regions).unwrap_or_else(|e| format!("error {e}"));
+        if writeln!(stdout, "{reply}")
+            .and_then(|()| stdout.flush())
+            .is_err()
+        {
+            break;
+        }
+    }
+}

@@ -1,0 +1,414 @@
+//! `cargo xtask`: set up the machine, build the eBPF program and the daemon, run, test.
+//!
+//! rksm's eBPF program needs a compiler that can target `bpfel-unknown-none` and the
+//! `bpf-linker`. On the machines this project runs on, rustup has no nightly with rust-src,
+//! so the usual aya route is closed; Debian ships a precompiled `core` for the bpf target and
+//! an LLVM 22 to build bpf-linker against (see README, "What set-up installs"). This crate
+//! knows both routes, prefers what is present, installs what is missing, and says exactly
+//! what it could not find.
+
+use std::{
+    env,
+    ffi::OsString,
+    fs,
+    path::{Path, PathBuf},
+    process::{Command, ExitCode, Stdio},
+    thread,
+    time::Duration,
+};
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+
+/// Debian packages of the verified route: rustc 1.96 with LLVM 22, `core` for the bpf
+/// target, and LLVM 22 itself for building bpf-linker.
+const DEBIAN_PACKAGES: &[&str] = &[
+    "rustc-web",
+    "cargo-web",
+    "libstd-rust-web-dev-bpf",
+    "llvm-22-dev",
+    "libpolly-22-dev",
+    "clang-22",
+    "lld-22",
+];
+const DEBIAN_RUSTC: &str = "/usr/bin/rustc";
+const DEBIAN_BPF_SYSROOT: &str = "/usr/lib/rustlib/bpfel-unknown-none/lib";
+const LLVM_22: &str = "/usr/lib/llvm-22";
+const BPF_LINKER_VERSION: &str = "0.13.0";
+const BPF_TARGET: &str = "bpfel-unknown-none";
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "Build, run and test rksm")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Install what building the eBPF program needs (Debian packages, bpf-linker); does
+    /// nothing when everything is there.
+    Setup,
+    /// Build the eBPF object and the daemon in release mode (target/release/rksm).
+    Build,
+    /// Build, then run `rksm ARGS` as root; without ARGS, a short demo.
+    Run {
+        /// Arguments for rksm.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<OsString>,
+    },
+    /// Build, check formatting and lints, and run every test (as root).
+    Test {
+        /// Extra arguments for `cargo test` (a filter, `--nocapture`, ...).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<OsString>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Cmd::Setup => setup().map(|_| ()),
+        Cmd::Build => build(),
+        Cmd::Run { args } => run(args),
+        Cmd::Test { args } => test(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+fn ebpf_object() -> PathBuf {
+    workspace_root()
+        .join("rksm-ebpf/target")
+        .join(BPF_TARGET)
+        .join("release/rksm")
+}
+
+fn is_root() -> bool {
+    // `id -u` avoids an unsafe libc call for one number.
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+/// How the eBPF crate gets compiled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Route {
+    /// Debian's rustc 1.96 with its precompiled `core` for bpfel (`RUSTC_BOOTSTRAP=1`).
+    Debian,
+    /// rustup nightly with rust-src (`-Z build-std=core`), the standard aya route.
+    Nightly,
+}
+
+fn debian_route_ready() -> bool {
+    Path::new(DEBIAN_RUSTC).exists()
+        && fs::read_dir(DEBIAN_BPF_SYSROOT)
+            .map(|d| {
+                d.flatten()
+                    .any(|e| e.file_name().to_string_lossy().starts_with("libcore-"))
+            })
+            .unwrap_or(false)
+}
+
+fn nightly_route_ready() -> bool {
+    let Ok(out) = Command::new("rustup")
+        .args(["run", "nightly", "rustc", "--print", "sysroot"])
+        .stderr(Stdio::null())
+        .output()
+    else {
+        return false;
+    };
+    let sysroot = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    out.status.success() && sysroot.join("lib/rustlib/src/rust/library/core").exists()
+}
+
+fn cargo_bin_dir() -> PathBuf {
+    env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .or_else(|| env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")))
+        .unwrap_or_else(|| PathBuf::from("/root/.cargo"))
+        .join("bin")
+}
+
+/// PATH with cargo's bin directory first, where `cargo install` puts bpf-linker.
+fn path_with_cargo_bin() -> OsString {
+    let mut dirs = vec![cargo_bin_dir()];
+    dirs.extend(env::split_paths(&env::var_os("PATH").unwrap_or_default()));
+    env::join_paths(dirs).expect("PATH entries have no separators")
+}
+
+fn bpf_linker_ready() -> bool {
+    Command::new("bpf-linker")
+        .arg("--version")
+        .env("PATH", path_with_cargo_bin())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+fn missing_debian_packages(packages: &[&'static str]) -> Vec<&'static str> {
+    packages
+        .iter()
+        .copied()
+        .filter(|p| {
+            let out = Command::new("dpkg-query")
+                .args(["-W", "-f=${db:Status-Status}", p])
+                .stderr(Stdio::null())
+                .output();
+            !matches!(out, Ok(o) if o.stdout == b"installed")
+        })
+        .collect()
+}
+
+fn apt_install(packages: &[&str]) -> Result<()> {
+    if packages.is_empty() {
+        return Ok(());
+    }
+    if Command::new("apt-get").arg("--version").output().is_err() {
+        bail!(
+            "missing Debian packages {} and there is no apt-get here; install their equivalents \
+             (rustc 1.96 with LLVM 22 and a `core` for {BPF_TARGET}, LLVM 22 development files), \
+             or rustup nightly with rust-src",
+            packages.join(" ")
+        );
+    }
+    if !is_root() {
+        bail!(
+            "installing {} needs root: run `sudo cargo xtask setup`",
+            packages.join(" ")
+        );
+    }
+    eprintln!("xtask: installing {}", packages.join(" "));
+    run_checked(Command::new("apt-get").args(["update", "-q"]))?;
+    run_checked(
+        Command::new("apt-get")
+            .args(["install", "-y", "-q"])
+            .args(packages)
+            .env("DEBIAN_FRONTEND", "noninteractive"),
+    )
+}
+
+/// Installs what is missing and returns the route the eBPF build will take.
+fn setup() -> Result<Route> {
+    let route = if debian_route_ready() {
+        Route::Debian
+    } else if nightly_route_ready() {
+        Route::Nightly
+    } else {
+        eprintln!("xtask: no compiler for {BPF_TARGET} yet (neither Debian's rustc-web with libstd-rust-web-dev-bpf nor rustup nightly with rust-src)");
+        apt_install(&missing_debian_packages(DEBIAN_PACKAGES))?;
+        if !debian_route_ready() {
+            bail!("{DEBIAN_BPF_SYSROOT} still has no libcore after installing the Debian packages");
+        }
+        Route::Debian
+    };
+    if !bpf_linker_ready() {
+        // bpf-linker links against LLVM; without LLVM 22's prefix its build script picks the
+        // system llvm-config (LLVM 14) and fails with `unable to find library -lLLVM`.
+        apt_install(&missing_debian_packages(&[
+            "llvm-22-dev",
+            "libpolly-22-dev",
+        ]))?;
+        eprintln!(
+            "xtask: building bpf-linker {BPF_LINKER_VERSION} against LLVM 22 (a few minutes, once)"
+        );
+        let mut path = vec![PathBuf::from(LLVM_22).join("bin")];
+        path.extend(env::split_paths(&path_with_cargo_bin()));
+        run_checked(
+            Command::new("cargo")
+                .args([
+                    "install",
+                    &format!("bpf-linker@{BPF_LINKER_VERSION}"),
+                    "--locked",
+                ])
+                .args(["--no-default-features", "--features", "llvm-22"])
+                .env("PATH", env::join_paths(path)?)
+                .env("LLVM_PREFIX", LLVM_22)
+                .env("LLVM_SYS_220_PREFIX", LLVM_22),
+        )?;
+        if !bpf_linker_ready() {
+            bail!(
+                "bpf-linker is still not runnable from {}",
+                cargo_bin_dir().display()
+            );
+        }
+    }
+    eprintln!("xtask: set-up complete ({route:?} route for the eBPF program, bpf-linker present)");
+    Ok(route)
+}
+
+fn run_checked(cmd: &mut Command) -> Result<()> {
+    let status = cmd.status().with_context(|| format!("running {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed with {status}");
+    }
+    Ok(())
+}
+
+fn cargo() -> Command {
+    let mut cmd = Command::new(env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    cmd.current_dir(workspace_root());
+    cmd
+}
+
+fn build_ebpf(route: Route) -> Result<()> {
+    let mut cmd = Command::new("cargo");
+    if route == Route::Nightly {
+        cmd.arg("+nightly");
+    }
+    cmd.current_dir(workspace_root().join("rksm-ebpf"))
+        .args(["build", "--release", "--locked", "--target", BPF_TARGET])
+        .env("PATH", path_with_cargo_bin())
+        // The outer `cargo run` pins this process to the stable toolchain; the eBPF build
+        // picks its own compiler.
+        .env_remove("RUSTUP_TOOLCHAIN")
+        .env_remove("RUSTC")
+        .env_remove("RUSTC_WRAPPER");
+    match route {
+        Route::Debian => {
+            // Debian's sysroot already has `core` for bpfel, so no -Z build-std; the bootstrap
+            // flag is for aya-ebpf's `asm_experimental_arch` and rksm-ebpf's core intrinsics.
+            cmd.env("RUSTC", DEBIAN_RUSTC).env("RUSTC_BOOTSTRAP", "1");
+        }
+        Route::Nightly => {
+            cmd.args(["-Z", "build-std=core"]);
+        }
+    }
+    run_checked(&mut cmd).context("building the eBPF program")
+}
+
+fn build() -> Result<()> {
+    let route = setup()?;
+    build_ebpf(route)?;
+    run_checked(
+        cargo()
+            .args(["build", "--release", "--workspace"])
+            .env("RKSM_EBPF_OBJECT", ebpf_object()),
+    )
+    .context("building the daemon")
+}
+
+fn as_root(program: &Path) -> Command {
+    if is_root() {
+        Command::new(program)
+    } else {
+        eprintln!("xtask: rksm needs root; running it with sudo");
+        let mut cmd = Command::new("sudo");
+        cmd.arg(program);
+        cmd
+    }
+}
+
+fn run(args: Vec<OsString>) -> Result<()> {
+    build()?;
+    let release = workspace_root().join("target/release");
+    if !args.is_empty() {
+        let status = as_root(&release.join("rksm")).args(&args).status()?;
+        if !status.success() {
+            bail!("rksm exited with {status}");
+        }
+        return Ok(());
+    }
+    demo(&release)
+}
+
+/// Until the merging daemon lands, the main job is the tracer: a workload that writes 256 fresh
+/// pages every half second, traced for five seconds.
+fn demo(release: &Path) -> Result<()> {
+    use std::io::{BufRead, BufReader, Write};
+    eprintln!("xtask: demo: a workload writes 256 fresh pages every 0.5 s; rksm traces it for 5 s");
+    let mut workload = Command::new(release.join("rksm-testchild"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("starting the demo workload")?;
+    let mut to_workload = workload.stdin.take().context("workload stdin")?;
+    let mut from_workload = BufReader::new(workload.stdout.take().context("workload stdout")?);
+    let mut reply = String::new();
+    writeln!(to_workload, "map 16384")?;
+    from_workload.read_line(&mut reply)?;
+    let writer = thread::spawn(move || {
+        for i in 0..64u64 {
+            let line = format!("write 0 {} 256 {i}", i * 256);
+            if writeln!(to_workload, "{line}").is_err() {
+                break;
+            }
+            let mut ok = String::new();
+            if from_workload.read_line(&mut ok).unwrap_or(0) == 0 {
+                break;
+            }
+            thread::sleep(Duration::from_millis(500));
+        }
+    });
+    let status = as_root(&release.join("rksm"))
+        .args([
+            "trace",
+            "--duration",
+            "5",
+            "--pid",
+            &workload.id().to_string(),
+        ])
+        .status();
+    let _ = workload.kill();
+    let _ = workload.wait();
+    let _ = writer.join();
+    let status = status.context("running rksm")?;
+    if !status.success() {
+        bail!("rksm exited with {status}");
+    }
+    Ok(())
+}
+
+fn test(args: Vec<OsString>) -> Result<()> {
+    if !is_root() {
+        bail!("the tests load eBPF programs and trace other processes: run `sudo cargo xtask test` (CI runs as root)");
+    }
+    build()?;
+    run_checked(cargo().args(["fmt", "--all", "--", "--check"]))
+        .context("formatting (run `cargo fmt --all`)")?;
+    run_checked(cargo().args([
+        "fmt",
+        "--manifest-path",
+        "rksm-ebpf/Cargo.toml",
+        "--",
+        "--check",
+    ]))
+    .context("formatting of rksm-ebpf")?;
+    run_checked(
+        cargo()
+            .args([
+                "clippy",
+                "--workspace",
+                "--all-targets",
+                "--release",
+                "--",
+                "-D",
+                "warnings",
+            ])
+            .env("RKSM_EBPF_OBJECT", ebpf_object()),
+    )
+    .context("clippy")?;
+    run_checked(
+        cargo()
+            .args(["test", "--workspace", "--release"])
+            .args(&args)
+            .env("RKSM_EBPF_OBJECT", ebpf_object()),
+    )
+    .context("tests")
+}
