@@ -404,11 +404,53 @@ fn test(args: Vec<OsString>) -> Result<()> {
             .env("RKSM_EBPF_OBJECT", ebpf_object()),
     )
     .context("clippy")?;
-    run_checked(
+    cargo_test(
         cargo()
             .args(["test", "--workspace", "--release"])
             .args(&args)
             .env("RKSM_EBPF_OBJECT", ebpf_object()),
     )
-    .context("tests")
+}
+
+/// Runs `cargo test`, passing its output through, and ends with one line totalling every
+/// test binary's `test result:` line, so the outcome does not hinge on which binary ran last.
+fn cargo_test(cmd: &mut Command) -> Result<()> {
+    use std::io::{BufRead, BufReader};
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("running cargo test")?;
+    let (mut passed, mut failed) = (0u64, 0u64);
+    for line in BufReader::new(child.stdout.take().context("cargo test stdout")?).lines() {
+        let line = line?;
+        println!("{line}");
+        if let Some(result) = line.strip_prefix("test result: ") {
+            passed += count_before(result, " passed");
+            failed += count_before(result, " failed");
+        }
+    }
+    let status = child.wait()?;
+    println!("tests: {passed} passed, {failed} failed");
+    if !status.success() {
+        bail!("cargo test failed with {status}");
+    }
+    if passed == 0 {
+        bail!("cargo test ran no test");
+    }
+    Ok(())
+}
+
+/// In `ok. 6 passed; 0 failed; ...`, the number before `word`.
+fn count_before(result: &str, word: &str) -> u64 {
+    result
+        .split(';')
+        .find_map(|part| {
+            part.trim()
+                .trim_start_matches("ok.")
+                .trim_start_matches("FAILED.")
+                .trim()
+                .strip_suffix(word.trim())
+        })
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
 }
