@@ -10,6 +10,12 @@
 //!
 //! Scanning, checksums, the dedup index, arming and merging get their own modules as they land.
 
+pub mod checksum;
+pub mod dirty;
+pub mod index;
+pub mod procfs;
+pub mod reader;
+pub mod scan;
 pub mod targets;
 pub mod trace;
 pub mod tracefs;

@@ -7,9 +7,15 @@
 //! recycled pid) or into a precise reason why rksm will not touch it.
 
 use std::{
+    collections::BTreeSet,
     fmt, fs, io,
     os::fd::{AsRawFd, FromRawFd, OwnedFd},
+    path::{Path, PathBuf},
+    time::Duration,
 };
+
+use nix::unistd::{sysconf, SysconfVar};
+use regex::Regex;
 
 /// `PF_EXITING` in /proc/PID/stat's flags: the task is being torn down.
 const PF_EXITING: u64 = 0x0000_0004;
@@ -79,6 +85,7 @@ pub enum TargetError {
 pub struct Process {
     pid: u32,
     comm: String,
+    start_ticks: u64,
     pidfd: OwnedFd,
 }
 
@@ -98,6 +105,7 @@ impl Process {
         let process = Process {
             pid: tgid,
             comm: stat.comm.clone(),
+            start_ticks: stat.start_ticks,
             pidfd,
         };
         if process.has_exited() {
@@ -123,6 +131,17 @@ impl Process {
         &self.comm
     }
 
+    /// How long the process has been running.
+    pub fn age(&self) -> Duration {
+        let ticks_per_second = sysconf(SysconfVar::CLK_TCK)
+            .ok()
+            .flatten()
+            .unwrap_or(100)
+            .max(1) as f64;
+        let started = self.start_ticks as f64 / ticks_per_second;
+        Duration::from_secs_f64((uptime_seconds() - started).max(0.0))
+    }
+
     /// True once the process has exited (its pidfd became readable). Never blocks.
     pub fn has_exited(&self) -> bool {
         let mut pfd = libc::pollfd {
@@ -134,6 +153,163 @@ impl Process {
         let n = unsafe { libc::poll(&mut pfd, 1, 0) };
         n > 0 && pfd.revents != 0
     }
+}
+
+fn uptime_seconds() -> f64 {
+    fs::read_to_string("/proc/uptime")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Where cgroups are mounted; relative `--cgroup` paths are taken from here.
+const CGROUP_ROOT: &str = "/sys/fs/cgroup";
+
+/// Which processes to work on, as the operator selected them. The selectors add up; the
+/// minimum age then filters.
+#[derive(Debug, Clone, Default)]
+pub struct TargetSpec {
+    /// Explicit pids: each must exist and be acceptable, or the selection fails.
+    pub pids: Vec<u32>,
+    /// Cgroup directories (v1 or v2), absolute or relative to /sys/fs/cgroup; the processes
+    /// of the cgroup and of every cgroup below it.
+    pub cgroups: Vec<PathBuf>,
+    /// Processes whose command name (/proc/PID/comm) matches.
+    pub comm: Option<Regex>,
+    /// Every user process.
+    pub all: bool,
+    /// Only processes at least this old.
+    pub min_age: Option<Duration>,
+}
+
+/// Errors in a target selection: all are the operator's input, so all are exit status 2.
+#[derive(Debug, thiserror::Error)]
+pub enum SelectionError {
+    /// Nothing was selected at all.
+    #[error("no targets given: use --pid, --cgroup, --comm or --all")]
+    Empty,
+    /// A --pid that cannot be used.
+    #[error(transparent)]
+    Pid(#[from] TargetError),
+    /// A --cgroup directory that does not exist or has no cgroup.procs.
+    #[error("cgroup {path} not found: {source}")]
+    Cgroup {
+        /// The path as resolved.
+        path: PathBuf,
+        /// Why it could not be read.
+        source: io::Error,
+    },
+}
+
+/// The outcome of a selection: the processes to work on, and those refused with a reason.
+#[derive(Debug, Default)]
+pub struct Selection {
+    /// Processes to work on, by pid.
+    pub processes: Vec<Process>,
+    /// Processes matched by a selector but refused.
+    pub refused: Vec<(u32, String, RefusalReason)>,
+}
+
+impl TargetSpec {
+    /// Whether any selector was given.
+    pub fn is_empty(&self) -> bool {
+        self.pids.is_empty() && self.cgroups.is_empty() && self.comm.is_none() && !self.all
+    }
+
+    /// Resolves the selection now. Explicit pids must be usable; processes found through a
+    /// cgroup, a name or --all that are refused (kernel threads, rksm itself) are listed in
+    /// [`Selection::refused`]; processes that exit while being looked at are skipped.
+    pub fn resolve(&self) -> Result<Selection, SelectionError> {
+        if self.is_empty() {
+            return Err(SelectionError::Empty);
+        }
+        let mut selection = Selection::default();
+        let mut seen = BTreeSet::new();
+        for &pid in &self.pids {
+            let process = Process::open(pid)?;
+            if seen.insert(process.pid()) {
+                selection.processes.push(process);
+            }
+        }
+        let mut in_cgroups = BTreeSet::new();
+        for cgroup in &self.cgroups {
+            collect_cgroup(&resolve_cgroup(cgroup), &mut in_cgroups)?;
+        }
+        let mut candidates = in_cgroups.clone();
+        if self.all || self.comm.is_some() {
+            candidates.extend(all_pids());
+        }
+        let wanted = |pid: u32, comm: &str| {
+            self.all
+                || in_cgroups.contains(&pid)
+                || self.comm.as_ref().is_some_and(|re| re.is_match(comm))
+        };
+        for pid in candidates {
+            if seen.contains(&pid) {
+                continue;
+            }
+            match Process::open(pid) {
+                Ok(process) => {
+                    if wanted(pid, process.comm()) && seen.insert(process.pid()) {
+                        selection.processes.push(process);
+                    }
+                }
+                // Kernel threads are never candidates worth reporting.
+                Err(TargetError::Refused { pid, comm, reason })
+                    if reason != RefusalReason::KernelThread =>
+                {
+                    if wanted(pid, &comm) && seen.insert(pid) {
+                        selection.refused.push((pid, comm, reason));
+                    }
+                }
+                Err(_) => {} // exited or unreadable while we looked
+            }
+        }
+        if let Some(min_age) = self.min_age {
+            selection.processes.retain(|p| p.age() >= min_age);
+        }
+        selection.processes.sort_by_key(Process::pid);
+        Ok(selection)
+    }
+}
+
+fn resolve_cgroup(path: &Path) -> PathBuf {
+    if path.is_absolute() {
+        path.to_path_buf()
+    } else {
+        Path::new(CGROUP_ROOT).join(path)
+    }
+}
+
+/// Adds the pids of `dir` and of every cgroup below it.
+fn collect_cgroup(dir: &Path, pids: &mut BTreeSet<u32>) -> Result<(), SelectionError> {
+    let procs = dir.join("cgroup.procs");
+    let text = fs::read_to_string(&procs).map_err(|source| SelectionError::Cgroup {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    pids.extend(text.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
+    if let Ok(entries) = fs::read_dir(dir) {
+        for entry in entries.flatten() {
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                // A child that vanished meanwhile is simply not there any more.
+                let _ = collect_cgroup(&entry.path(), pids);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Every numeric entry of /proc: all processes (thread ids are not listed there).
+fn all_pids() -> Vec<u32> {
+    fs::read_dir("/proc")
+        .map(|entries| {
+            entries
+                .flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
@@ -154,6 +330,8 @@ struct ProcStat {
     comm: String,
     state: char,
     flags: u64,
+    /// Field 22: when the process started, in clock ticks after boot.
+    start_ticks: u64,
 }
 
 impl ProcStat {
@@ -177,8 +355,10 @@ impl ProcStat {
         let close = stat.rfind(')')?;
         let comm = stat.get(open + 1..close)?.to_string();
         let mut rest = stat.get(close + 1..)?.split_ascii_whitespace();
+        // `rest` starts at field 3 (state); flags is field 9, starttime field 22.
         let state = rest.next()?.chars().next()?;
         let flags = rest.nth(5)?.parse().ok()?;
+        let start_ticks = rest.nth(12)?.parse().ok()?;
         let tgid = status
             .lines()
             .find_map(|l| l.strip_prefix("Tgid:"))?
@@ -191,6 +371,7 @@ impl ProcStat {
             comm,
             state,
             flags,
+            start_ticks,
         })
     }
 
@@ -212,7 +393,8 @@ mod tests {
     use super::*;
 
     fn stat(pid: u32, tgid: u32, comm: &str, state: char, flags: u64) -> ProcStat {
-        let line = format!("{pid} ({comm}) {state} 1 1 1 0 -1 {flags} 0 0 0 0 0 0");
+        let line =
+            format!("{pid} ({comm}) {state} 1 1 1 0 -1 {flags} 0 0 0 0 0 0 0 0 20 0 1 0 4242 0 0");
         ProcStat::parse(
             pid,
             &line,
@@ -227,6 +409,7 @@ mod tests {
         assert_eq!(s.comm, "evil ) (name");
         assert_eq!(s.state, 'S');
         assert_eq!(s.flags, 4194560);
+        assert_eq!(s.start_ticks, 4242);
     }
 
     #[test]

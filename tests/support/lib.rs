@@ -92,6 +92,32 @@ impl TestChild {
         assert_eq!(reply, "ok");
     }
 
+    /// Gives page `first+i` of `region` the content of `seed+i`.
+    pub fn write_unique(&mut self, region: Region, first: u64, count: u64, seed: u64) {
+        let reply = self.command(&format!("unique {} {first} {count} {seed}", region.id));
+        assert_eq!(reply, "ok");
+    }
+
+    /// Fills pages with a constant byte (0 gives zero-filled private pages).
+    pub fn fill(&mut self, region: Region, first: u64, count: u64, byte: u8) {
+        let reply = self.command(&format!("fill {} {first} {count} {byte}", region.id));
+        assert_eq!(reply, "ok");
+    }
+
+    /// Forks a child that shares all memory copy-on-write and dies with this one; its pid.
+    pub fn fork(&mut self) -> u32 {
+        let reply = self.command("fork");
+        reply
+            .strip_prefix("forked ")
+            .and_then(|p| p.parse().ok())
+            .expect("forked PID")
+    }
+
+    /// Unmaps the region.
+    pub fn unmap(&mut self, region: Region) {
+        assert_eq!(self.command(&format!("unmap {}", region.id)), "ok");
+    }
+
     /// Reads (and only reads) pages `first..first+count` of `region`.
     pub fn read(&mut self, region: Region, first: u64, count: u64) {
         let reply = self.command(&format!("read {} {first} {count}", region.id));
@@ -125,7 +151,7 @@ pub fn rksm_command() -> Command {
 
 /// A binary of this workspace from the same target directory and profile as the running test
 /// (`target/<profile>/deps/<test>` → `target/<profile>/<name>`).
-fn built_binary(name: &str) -> PathBuf {
+pub fn built_binary(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
     let bin = exe
         .parent()

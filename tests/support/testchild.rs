@@ -7,7 +7,12 @@
 //!   page would make one fault cover 512 pages).
 //! - `write ID FIRST COUNT SEED` → `ok`: fills pages `FIRST..FIRST+COUNT` with the content of
 //!   `SEED` (the same content for every page, so equal seeds make duplicate pages).
+//! - `unique ID FIRST COUNT SEED` → `ok`: page `FIRST+i` gets the content of `SEED+i`.
+//! - `fill ID FIRST COUNT BYTE` → `ok`: every byte of the pages is `BYTE` (0: zero-filled
+//!   private pages, as opposed to the kernel's zero page that reading a fresh page maps).
 //! - `read ID FIRST COUNT` → `ok SUM`: reads one word of each page, writes nothing.
+//! - `fork` → `forked PID`: a child sharing all memory copy-on-write, killed with its parent.
+//! - `unmap ID` → `ok`: unmaps the region.
 //! - `verify ID FIRST COUNT SEED` → `ok` or `mismatch PAGE`: checks contents are intact.
 //! - `exit` → exits 0.
 //!
@@ -101,6 +106,60 @@ fn run(line: &str, regions: &mut Vec<Region>) -> Result<String, String> {
                     // SAFETY: w < WORDS keeps the write inside page `p` of the mapping.
                     unsafe { page.add(w).write_volatile(word(seed, w)) };
                 }
+            }
+            Ok("ok".into())
+        }
+        Some("unique") => {
+            let r = region(num(1)?)?;
+            let (first, count, seed) = (num(2)? as usize, num(3)? as usize, num(4)?);
+            for p in first..first + count {
+                let page = r.page(p)?;
+                for w in 0..WORDS {
+                    // SAFETY: w < WORDS keeps the write inside page `p` of the mapping.
+                    unsafe {
+                        page.add(w)
+                            .write_volatile(word(seed + (p - first) as u64, w))
+                    };
+                }
+            }
+            Ok("ok".into())
+        }
+        Some("fill") => {
+            let r = region(num(1)?)?;
+            let (first, count, byte) = (num(2)? as usize, num(3)? as usize, num(4)? as u8);
+            let word = u64::from_ne_bytes([byte; 8]);
+            for p in first..first + count {
+                let page = r.page(p)?;
+                for w in 0..WORDS {
+                    // SAFETY: inside page `p` of the mapping.
+                    unsafe { page.add(w).write_volatile(word) };
+                }
+            }
+            Ok("ok".into())
+        }
+        Some("fork") => {
+            // SAFETY: the child only sleeps until it is killed; it runs no Rust code that
+            // could observe the parent's other threads (there are none).
+            match unsafe { libc::fork() } {
+                -1 => Err(format!("fork: {}", io::Error::last_os_error())),
+                0 => {
+                    // SAFETY: prctl and pause take no pointers.
+                    unsafe {
+                        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                        loop {
+                            libc::pause();
+                        }
+                    }
+                }
+                pid => Ok(format!("forked {pid}")),
+            }
+        }
+        Some("unmap") => {
+            let r = region(num(1)?)?;
+            // SAFETY: unmapping a region this program mapped; it is not used afterwards
+            // (later commands on it fault in the child, which is the test's own doing).
+            if unsafe { libc::munmap(r.base.cast(), r.pages * PAGE) } != 0 {
+                return Err(format!("munmap: {}", io::Error::last_os_error()));
             }
             Ok("ok".into())
         }

@@ -4,6 +4,8 @@ use std::io::Write;
 
 use clap::{Parser, Subcommand};
 
+mod estimate;
+mod targets;
 mod trace;
 
 /// An error in what the user asked for (as opposed to a failure doing it): exit status 2.
@@ -30,12 +32,14 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     Trace(trace::TraceArgs),
+    Estimate(estimate::EstimateArgs),
 }
 
 /// Runs the parsed command.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Trace(args) => trace::run(args),
+        Command::Estimate(args) => estimate::run(args),
     }
 }
 

@@ -1,0 +1,71 @@
+//! The target-selection flags shared by every command that works on processes.
+
+use std::{path::PathBuf, time::Duration};
+
+use clap::Args;
+use regex::Regex;
+use rksm::targets::{Selection, SelectionError, TargetSpec};
+
+use super::BadInput;
+
+/// Which processes to work on. Selectors add up; --min-age then filters.
+#[derive(Debug, Args, Clone)]
+pub struct TargetArgs {
+    /// A process (repeatable); it must exist.
+    #[arg(long = "pid", value_name = "PID", value_parser = clap::value_parser!(u32).range(1..))]
+    pids: Vec<u32>,
+    /// Every process in this cgroup (v1 or v2) and the cgroups below it; absolute, or
+    /// relative to /sys/fs/cgroup (repeatable).
+    #[arg(long = "cgroup", value_name = "PATH")]
+    cgroups: Vec<PathBuf>,
+    /// Every process whose command name matches this regular expression.
+    #[arg(long, value_name = "REGEX", value_parser = parse_regex)]
+    comm: Option<Regex>,
+    /// Every user process (not kernel threads, not rksm itself).
+    #[arg(long)]
+    all: bool,
+    /// Only processes running for at least this many seconds.
+    #[arg(long, value_name = "SECS", value_parser = parse_age)]
+    min_age: Option<f64>,
+}
+
+fn parse_regex(s: &str) -> Result<Regex, String> {
+    Regex::new(s).map_err(|e| {
+        format!(
+            "not a valid regular expression: {}",
+            e.to_string().lines().last().unwrap_or("")
+        )
+    })
+}
+
+fn parse_age(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && (0.0..1e9).contains(&v) => Ok(v),
+        _ => Err(format!("`{s}` is not a number of seconds")),
+    }
+}
+
+impl TargetArgs {
+    /// The selection these flags describe.
+    pub fn spec(&self) -> TargetSpec {
+        TargetSpec {
+            pids: self.pids.clone(),
+            cgroups: self.cgroups.clone(),
+            comm: self.comm.clone(),
+            all: self.all,
+            min_age: self.min_age.map(Duration::from_secs_f64),
+        }
+    }
+
+    /// Resolves the selection; every error is the operator's input (exit status 2).
+    pub fn resolve(&self) -> anyhow::Result<Selection> {
+        let selection = self
+            .spec()
+            .resolve()
+            .map_err(|e: SelectionError| BadInput(e.to_string()))?;
+        for (pid, comm, reason) in &selection.refused {
+            log::info!("not touching pid {pid} ({comm}): {reason}");
+        }
+        Ok(selection)
+    }
+}

@@ -1,0 +1,353 @@
+//! /proc parsing, in one place: maps, pagemap, kpageflags.
+//!
+//! rksm decides what to read, what is already shared and what is a KSM or zero page entirely
+//! from what the kernel reports in /proc. Each file has its own format and its own way of
+//! failing when a process exits or unmaps memory mid-read; this module turns all of that into
+//! plain values and typed errors, and is the only place that knows the bit layouts.
+
+use std::{
+    fs::File,
+    io::{self, BufRead, BufReader},
+    os::unix::fs::FileExt,
+    path::PathBuf,
+};
+
+use rksm_common::PAGE_SIZE;
+
+/// Errors reading /proc.
+#[derive(Debug, thiserror::Error)]
+pub enum ProcfsError {
+    /// The process is gone (or never existed).
+    #[error("process {0} has exited")]
+    Gone(u32),
+    /// A /proc file could not be read.
+    #[error("reading {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What failed.
+        source: io::Error,
+    },
+}
+
+fn io_error(pid: u32, path: PathBuf, source: io::Error) -> ProcfsError {
+    // ESRCH comes back from pagemap reads of a process that exited after open.
+    if source.kind() == io::ErrorKind::NotFound || source.raw_os_error() == Some(libc::ESRCH) {
+        ProcfsError::Gone(pid)
+    } else {
+        ProcfsError::Io { path, source }
+    }
+}
+
+/// One line of /proc/PID/maps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Vma {
+    /// First address.
+    pub start: u64,
+    /// One past the last address.
+    pub end: u64,
+    /// `rw-p` style permissions.
+    pub perms: [u8; 4],
+    /// Inode; 0 for anonymous memory.
+    pub inode: u64,
+    /// The path or pseudo-name (`[heap]`, `[stack]`, `[anon:name]`), empty for anonymous mmaps.
+    pub name: String,
+}
+
+impl Vma {
+    /// Number of pages.
+    pub fn pages(&self) -> u64 {
+        (self.end - self.start) / PAGE_SIZE
+    }
+
+    /// Private, writable, anonymous memory: the heap, the stack, anonymous mmaps (named or
+    /// not). That is what KSM can merge and what rksm scans. File-backed and shared mappings
+    /// and the kernel's special areas ([vdso], [vvar], ...) are not.
+    pub fn is_private_anonymous_writable(&self) -> bool {
+        let private_writable =
+            self.perms[0] == b'r' && self.perms[1] == b'w' && self.perms[3] == b'p';
+        let anonymous = self.inode == 0
+            && (self.name.is_empty()
+                || self.name == "[heap]"
+                || self.name == "[stack]"
+                || self.name.starts_with("[anon:"));
+        private_writable && anonymous
+    }
+
+    /// Parses one maps line: `start-end perms offset dev inode [name]`.
+    ///
+    /// ```
+    /// let vma = rksm::procfs::Vma::parse("7f00-8f00 rw-p 00000000 00:00 0 \n").unwrap();
+    /// assert_eq!((vma.start, vma.end), (0x7f00, 0x8f00));
+    /// assert!(vma.is_private_anonymous_writable());
+    /// ```
+    pub fn parse(line: &str) -> Option<Vma> {
+        let mut fields = line.splitn(6, ' ');
+        let (start, end) = fields.next()?.split_once('-')?;
+        let perms: [u8; 4] = fields.next()?.as_bytes().try_into().ok()?;
+        let _offset = fields.next()?;
+        let _dev = fields.next()?;
+        let inode = fields.next()?.parse().ok()?;
+        let name = fields.next().unwrap_or("").trim().to_string();
+        let vma = Vma {
+            start: u64::from_str_radix(start, 16).ok()?,
+            end: u64::from_str_radix(end, 16).ok()?,
+            perms,
+            inode,
+            name,
+        };
+        (vma.start < vma.end && vma.start % PAGE_SIZE == 0 && vma.end % PAGE_SIZE == 0)
+            .then_some(vma)
+    }
+}
+
+/// Reads /proc/PID/maps. Malformed lines are skipped (they cannot be scanned safely).
+pub fn read_maps(pid: u32) -> Result<Vec<Vma>, ProcfsError> {
+    let path = PathBuf::from(format!("/proc/{pid}/maps"));
+    let file = File::open(&path).map_err(|e| io_error(pid, path.clone(), e))?;
+    let mut vmas = Vec::new();
+    for line in BufReader::new(file).lines() {
+        let line = line.map_err(|e| io_error(pid, path.clone(), e))?;
+        if let Some(vma) = Vma::parse(&line) {
+            vmas.push(vma);
+        }
+    }
+    Ok(vmas)
+}
+
+/// One 64-bit entry of /proc/PID/pagemap (Documentation/admin-guide/mm/pagemap.rst).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PagemapEntry(pub u64);
+
+impl PagemapEntry {
+    const PRESENT: u64 = 1 << 63;
+    const SWAPPED: u64 = 1 << 62;
+    const FILE_OR_SHARED_ANON: u64 = 1 << 61;
+    const UFFD_WP: u64 = 1 << 57;
+    const EXCLUSIVE: u64 = 1 << 56;
+    const PFN_MASK: u64 = (1 << 55) - 1;
+
+    /// The page is in RAM.
+    pub fn present(self) -> bool {
+        self.0 & Self::PRESENT != 0
+    }
+    /// The page is in swap.
+    pub fn swapped(self) -> bool {
+        self.0 & Self::SWAPPED != 0
+    }
+    /// The page is file-backed or shared anonymous (not something rksm scans).
+    pub fn file_or_shared(self) -> bool {
+        self.0 & Self::FILE_OR_SHARED_ANON != 0
+    }
+    /// The PTE is userfaultfd write-protected.
+    pub fn uffd_wp(self) -> bool {
+        self.0 & Self::UFFD_WP != 0
+    }
+    /// The page is mapped exactly once (by this PTE): nobody shares it.
+    pub fn exclusive(self) -> bool {
+        self.0 & Self::EXCLUSIVE != 0
+    }
+    /// The page frame number, if present (zero without CAP_SYS_ADMIN).
+    pub fn pfn(self) -> Option<u64> {
+        (self.present() && !self.swapped()).then_some(self.0 & Self::PFN_MASK)
+    }
+}
+
+/// An open /proc/PID/pagemap.
+pub struct Pagemap {
+    pid: u32,
+    path: PathBuf,
+    file: File,
+}
+
+impl Pagemap {
+    /// Opens the pagemap of `pid`.
+    pub fn open(pid: u32) -> Result<Self, ProcfsError> {
+        let path = PathBuf::from(format!("/proc/{pid}/pagemap"));
+        let file = File::open(&path).map_err(|e| io_error(pid, path.clone(), e))?;
+        Ok(Pagemap { pid, path, file })
+    }
+
+    /// Fills `entries` with the entries of the pages starting at `start`; returns how many
+    /// were read (fewer near the end of the address space).
+    pub fn read(&self, start: u64, entries: &mut [PagemapEntry]) -> Result<usize, ProcfsError> {
+        let mut bytes = vec![0u8; entries.len() * 8];
+        let offset = start / PAGE_SIZE * 8;
+        let mut filled = 0;
+        while filled < bytes.len() {
+            match self
+                .file
+                .read_at(&mut bytes[filled..], offset + filled as u64)
+            {
+                Ok(0) => break,
+                Ok(n) => filled += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(io_error(self.pid, self.path.clone(), e)),
+            }
+        }
+        let n = filled / 8;
+        for (entry, raw) in entries.iter_mut().zip(bytes.chunks_exact(8)).take(n) {
+            *entry = PagemapEntry(u64::from_ne_bytes(raw.try_into().expect("8 bytes")));
+        }
+        Ok(n)
+    }
+}
+
+/// Flags of one physical page from /proc/kpageflags (include/uapi/linux/kernel-page-flags.h).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PageFlags(pub u64);
+
+impl PageFlags {
+    const KSM: u64 = 1 << 21;
+    const THP: u64 = 1 << 22;
+    const ZERO_PAGE: u64 = 1 << 24;
+
+    /// A KSM page: already merged.
+    pub fn ksm(self) -> bool {
+        self.0 & Self::KSM != 0
+    }
+    /// Part of a transparent huge page.
+    pub fn thp(self) -> bool {
+        self.0 & Self::THP != 0
+    }
+    /// The shared zero page (or huge zero page).
+    pub fn zero_page(self) -> bool {
+        self.0 & Self::ZERO_PAGE != 0
+    }
+}
+
+/// An open /proc/kpageflags (root only).
+pub struct KpageFlags {
+    file: File,
+}
+
+impl KpageFlags {
+    const PATH: &'static str = "/proc/kpageflags";
+
+    /// Opens /proc/kpageflags.
+    pub fn open() -> Result<Self, ProcfsError> {
+        let file = File::open(Self::PATH).map_err(|source| ProcfsError::Io {
+            path: Self::PATH.into(),
+            source,
+        })?;
+        Ok(KpageFlags { file })
+    }
+
+    /// The flags of page frame `pfn`.
+    pub fn get(&self, pfn: u64) -> Result<PageFlags, ProcfsError> {
+        let mut raw = [0u8; 8];
+        self.file
+            .read_exact_at(&mut raw, pfn * 8)
+            .map_err(|source| ProcfsError::Io {
+                path: Self::PATH.into(),
+                source,
+            })?;
+        Ok(PageFlags(u64::from_ne_bytes(raw)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_kinds_of_maps_lines() {
+        let heap = Vma::parse(
+            "55830593c000-55830595d000 rw-p 00000000 00:00 0                          [heap]",
+        )
+        .unwrap();
+        assert_eq!(heap.name, "[heap]");
+        assert!(heap.is_private_anonymous_writable());
+        assert_eq!(heap.pages(), 0x21);
+
+        let anon = Vma::parse("7fe7e0a3f000-7fe7e0a61000 rw-p 00000000 00:00 0 ").unwrap();
+        assert!(anon.is_private_anonymous_writable());
+        let named =
+            Vma::parse("7fe7e0a3f000-7fe7e0a61000 rw-p 00000000 00:00 0   [anon:worker heap]")
+                .unwrap();
+        assert_eq!(named.name, "[anon:worker heap]");
+        assert!(named.is_private_anonymous_writable());
+
+        let data = Vma::parse("7fe7e0c97000-7fe7e0c99000 rw-p 001d3000 fe:00 326279 /usr/lib/x86_64-linux-gnu/libc.so.6").unwrap();
+        assert!(!data.is_private_anonymous_writable(), "file-backed");
+        let shared =
+            Vma::parse("7fe7e0a3f000-7fe7e0a61000 rw-s 00000000 00:01 1234 /dev/zero (deleted)")
+                .unwrap();
+        assert!(!shared.is_private_anonymous_writable(), "shared");
+        let ro = Vma::parse(
+            "7fe7e0cb1000-7fe7e0cb5000 r--p 00000000 00:00 0                          [vvar]",
+        )
+        .unwrap();
+        assert!(!ro.is_private_anonymous_writable(), "read-only");
+        let vdso = Vma::parse("7ffd1000-7ffd3000 rw-p 00000000 00:00 0 [vdso]").unwrap();
+        assert!(!vdso.is_private_anonymous_writable(), "special");
+        let path_with_spaces = Vma::parse("1000-2000 r--p 00000000 fe:00 1 /tmp/a b c").unwrap();
+        assert_eq!(path_with_spaces.name, "/tmp/a b c");
+    }
+
+    #[test]
+    fn malformed_maps_lines_are_rejected() {
+        for bad in [
+            "",
+            "zzzz-1000 rw-p 0 0 0",
+            "2000-1000 rw-p 00000000 00:00 0",
+            "1000-2000 rw-p",
+            "1001-2000 rw-p 00000000 00:00 0",
+            "1000-2000 rw 00000000 00:00 0",
+        ] {
+            assert_eq!(Vma::parse(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn pagemap_bits() {
+        let e = PagemapEntry((1 << 63) | (1 << 56) | 0x1234);
+        assert!(
+            e.present() && e.exclusive() && !e.swapped() && !e.uffd_wp() && !e.file_or_shared()
+        );
+        assert_eq!(e.pfn(), Some(0x1234));
+        assert_eq!(PagemapEntry(1 << 62).pfn(), None);
+        assert_eq!(PagemapEntry(0).pfn(), None);
+        assert!(PagemapEntry(1 << 57).uffd_wp());
+    }
+
+    #[test]
+    fn kpageflags_bits() {
+        assert!(PageFlags(1 << 21).ksm());
+        assert!(PageFlags(1 << 24).zero_page());
+        assert!(!PageFlags(1 << 22).zero_page());
+    }
+
+    #[test]
+    fn reads_its_own_maps_and_pagemap() {
+        // The page holding this local variable (on this test thread's stack) is present.
+        let local = 0u8;
+        let addr = std::hint::black_box(&local) as *const u8 as u64;
+        let vmas = read_maps(std::process::id()).unwrap();
+        let vma = vmas
+            .iter()
+            .find(|v| v.start <= addr && addr < v.end)
+            .expect("a mapping");
+        assert!(vma.is_private_anonymous_writable(), "{vma:?}");
+        let pagemap = Pagemap::open(std::process::id()).unwrap();
+        let mut entries = vec![PagemapEntry(0); vma.pages() as usize];
+        assert_eq!(
+            pagemap.read(vma.start, &mut entries).unwrap(),
+            entries.len()
+        );
+        let index = ((addr & !(PAGE_SIZE - 1)) - vma.start) / PAGE_SIZE;
+        assert!(entries[index as usize].present());
+    }
+
+    #[test]
+    fn a_missing_process_is_gone() {
+        assert!(matches!(
+            read_maps(4_194_305),
+            Err(ProcfsError::Gone(4_194_305))
+        ));
+        assert!(matches!(
+            Pagemap::open(4_194_305),
+            Err(ProcfsError::Gone(4_194_305))
+        ));
+    }
+}
