@@ -19,6 +19,9 @@ pub enum ChecksumKind {
     Crc32c,
 }
 
+/// A page checksum function.
+pub type PageChecksum = fn(&[u8]) -> u64;
+
 /// The value no page checksum ever takes: "no checksum recorded yet".
 pub const NO_CHECKSUM: u64 = u64::MAX;
 
@@ -39,6 +42,14 @@ impl ChecksumKind {
         };
         // Folding one xxh64 value onto its neighbour costs nothing: contents are compared.
         value.min(NO_CHECKSUM - 1)
+    }
+
+    /// [`ChecksumKind::checksum`] as a plain function, for code that takes any page checksum.
+    pub fn function(self) -> PageChecksum {
+        match self {
+            ChecksumKind::Xxh64 => |page| ChecksumKind::Xxh64.checksum(page),
+            ChecksumKind::Crc32c => |page| ChecksumKind::Crc32c.checksum(page),
+        }
     }
 
     /// The name used on the command line.

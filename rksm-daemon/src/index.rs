@@ -20,7 +20,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use rksm_common::PAGE_SIZE;
 
-use crate::checksum::ChecksumKind;
+use crate::checksum::{ChecksumKind, PageChecksum};
 
 const PAGE: usize = PAGE_SIZE as usize;
 
@@ -68,10 +68,9 @@ pub enum Placement {
 type ClassId = u32;
 const NONE: ClassId = ClassId::MAX;
 
-/// Pages with one content (compared equal). 32 bytes.
+/// Pages with one content (compared equal). 24 bytes: the checksum is the tree's key.
 #[derive(Debug, Clone)]
 struct Class {
-    checksum: u64,
     rep_addr: u64,
     rep_pid: u32,
     /// Pages placed in this class this pass.
@@ -163,7 +162,7 @@ impl ContentTree {
         checksum: u64,
         page: &mut PageUnderTest<'_>,
         src: &mut dyn ContentSource,
-        kind: ChecksumKind,
+        hash: PageChecksum,
     ) -> Lookup {
         let mut id = self.heads.get(&checksum).copied().unwrap_or(NONE);
         let mut rep = [0u8; PAGE];
@@ -180,14 +179,14 @@ impl ContentTree {
                         pid: class.rep_pid,
                         addr: class.rep_addr,
                     };
-                    if !src.read(rep_page, &mut rep) || kind.checksum(&rep) != checksum {
+                    if !src.read(rep_page, &mut rep) || hash(&rep) != checksum {
                         self.classes[id as usize].stale = true;
                         id = next;
                         continue;
                     }
                     &rep
                 };
-                match page.content(src, kind, checksum) {
+                match page.content(src, hash, checksum) {
                     None => return Lookup::Vanished,
                     Some(mine) if mine == &rep_content[..] => {
                         let rep_copy = *rep_content;
@@ -216,7 +215,6 @@ impl ContentTree {
         let id = self.classes.len() as ClassId;
         let next = self.heads.insert(checksum, id).unwrap_or(NONE);
         self.classes.push(Class {
-            checksum,
             rep_addr: page.addr,
             rep_pid: page.pid,
             copies: 1,
@@ -227,30 +225,53 @@ impl ContentTree {
         id
     }
 
+    /// Every class with its checksum.
+    fn classes_with_checksums(&self) -> impl Iterator<Item = (u64, ClassId)> + '_ {
+        self.heads.iter().flat_map(move |(&checksum, &head)| {
+            std::iter::successors(Some(head), move |&id| {
+                Some(self.classes[id as usize].next).filter(|&n| n != NONE)
+            })
+            .map(move |id| (checksum, id))
+        })
+    }
+
     /// Starts a pass for a tree that persists: counts restart, stale classes go.
     fn begin_pass_keeping_classes(&mut self) {
-        let live: Vec<Class> = self.classes.iter().filter(|c| !c.stale).cloned().collect();
+        let live: Vec<(u64, Class)> = self
+            .classes_with_checksums()
+            .map(|(checksum, id)| (checksum, self.classes[id as usize].clone()))
+            .filter(|(_, class)| !class.stale)
+            .collect();
         self.clear();
-        for class in live {
-            let id = self.insert(
-                class.checksum,
-                PageRef {
-                    pid: class.rep_pid,
-                    addr: class.rep_addr,
-                },
-                class.zero,
-            );
+        for (checksum, class) in live {
+            let page = PageRef {
+                pid: class.rep_pid,
+                addr: class.rep_addr,
+            };
+            let id = self.insert(checksum, page, class.zero);
             self.classes[id as usize].copies = 0;
         }
     }
 
+    /// Empties the tree, with room for `classes` classes, so that filling it never doubles
+    /// the class vector (which would cost up to 24 more bytes per page).
+    fn reset_with_capacity(&mut self, classes: usize) {
+        self.clear();
+        self.classes = Vec::with_capacity(classes);
+    }
+
     fn top(&self) -> impl Iterator<Item = TopContent> + '_ {
-        self.holders.iter().map(|(&id, pids)| {
+        let checksums: HashMap<ClassId, u64> = self
+            .classes_with_checksums()
+            .filter(|(_, id)| self.holders.contains_key(id))
+            .map(|(checksum, id)| (id, checksum))
+            .collect();
+        self.holders.iter().map(move |(&id, pids)| {
             let class = &self.classes[id as usize];
             let mut pids = pids.clone();
             pids.sort_unstable();
             TopContent {
-                checksum: class.checksum,
+                checksum: checksums[&id],
                 copies: class.copies,
                 zero: class.zero,
                 pids,
@@ -273,7 +294,7 @@ impl PageUnderTest<'_> {
     fn content(
         &mut self,
         src: &mut dyn ContentSource,
-        kind: ChecksumKind,
+        hash: PageChecksum,
         checksum: u64,
     ) -> Option<&[u8]> {
         match self.content {
@@ -284,7 +305,7 @@ impl PageUnderTest<'_> {
                     let mut buf = Box::new([0u8; PAGE]);
                     // A page the dirty source called clean must still have its checksum; if
                     // not, the source was wrong and the page is treated as gone this pass.
-                    if src.read(self.page, &mut buf) && kind.checksum(&buf[..]) == checksum {
+                    if src.read(self.page, &mut buf) && hash(&buf[..]) == checksum {
                         self.loaded = Some(buf);
                     } else {
                         self.vanished = true;
@@ -299,10 +320,12 @@ impl PageUnderTest<'_> {
 /// The stable and unstable trees, with KSM's rules for placing a page.
 #[derive(Debug)]
 pub struct Index {
-    kind: ChecksumKind,
+    hash: PageChecksum,
     zero_checksum: u64,
     stable: ContentTree,
     unstable: ContentTree,
+    /// Pages placed in the current pass, to size the next pass's unstable tree.
+    placed: usize,
 }
 
 /// Representatives kept in memory per tree: 4096 pages, 16 MiB.
@@ -316,22 +339,26 @@ impl Index {
 
     /// An empty index that keeps at most `cache_pages` representative contents per tree.
     pub fn with_cache(kind: ChecksumKind, cache_pages: usize) -> Self {
-        Index {
-            kind,
-            zero_checksum: kind.checksum(&ZERO_PAGE),
-            stable: ContentTree::with_cache(cache_pages),
-            unstable: ContentTree::with_cache(cache_pages),
-        }
+        Self::with_checksum(kind.function(), cache_pages)
     }
 
-    /// The checksum this index uses.
-    pub fn checksum_kind(&self) -> ChecksumKind {
-        self.kind
+    /// An empty index using any page checksum: tests force collisions with a weak one.
+    pub fn with_checksum(hash: PageChecksum, cache_pages: usize) -> Self {
+        Index {
+            hash,
+            zero_checksum: hash(&ZERO_PAGE),
+            stable: ContentTree::with_cache(cache_pages),
+            unstable: ContentTree::with_cache(cache_pages),
+            placed: 0,
+        }
     }
 
     /// Starts a pass: the unstable tree is emptied, the stable tree keeps its contents.
     pub fn begin_pass(&mut self) {
-        self.unstable.clear();
+        // At most every page placed last pass enters the unstable tree this pass.
+        self.unstable
+            .reset_with_capacity(self.placed + self.placed / 16);
+        self.placed = 0;
         self.stable.begin_pass_keeping_classes();
     }
 
@@ -347,7 +374,8 @@ impl Index {
         content: Content<'_>,
         src: &mut dyn ContentSource,
     ) -> Placement {
-        let kind = self.kind;
+        let hash = self.hash;
+        self.placed += 1;
         let mut under_test = PageUnderTest {
             page,
             content,
@@ -357,7 +385,7 @@ impl Index {
         if ksm {
             // Merged content may also sit in the unstable tree already (an unmerged copy seen
             // earlier this pass): then this page is the extra copy.
-            let in_unstable = match self.unstable.find(checksum, &mut under_test, src, kind) {
+            let in_unstable = match self.unstable.find(checksum, &mut under_test, src, hash) {
                 Lookup::Found(id) => {
                     self.unstable.join(id, page.pid);
                     true
@@ -365,7 +393,7 @@ impl Index {
                 Lookup::Vanished => return Placement::Vanished,
                 Lookup::Missing => false,
             };
-            return match self.stable.find(checksum, &mut under_test, src, kind) {
+            return match self.stable.find(checksum, &mut under_test, src, hash) {
                 Lookup::Found(id) => {
                     self.stable.join(id, page.pid);
                     Placement::Duplicate
@@ -382,7 +410,7 @@ impl Index {
                 }
             };
         }
-        match self.stable.find(checksum, &mut under_test, src, kind) {
+        match self.stable.find(checksum, &mut under_test, src, hash) {
             Lookup::Found(id) => {
                 self.stable.join(id, page.pid);
                 return Placement::Duplicate;
@@ -393,7 +421,7 @@ impl Index {
         if checksum != previous {
             return Placement::Volatile;
         }
-        match self.unstable.find(checksum, &mut under_test, src, kind) {
+        match self.unstable.find(checksum, &mut under_test, src, hash) {
             Lookup::Found(id) => {
                 self.unstable.join(id, page.pid);
                 Placement::Duplicate
@@ -418,7 +446,7 @@ impl Index {
     ) -> bool {
         checksum == self.zero_checksum
             && page
-                .content(src, self.kind, checksum)
+                .content(src, self.hash, checksum)
                 .is_some_and(|c| c.iter().all(|&b| b == 0))
     }
 
@@ -543,8 +571,8 @@ mod tests {
 
     #[test]
     fn collisions_are_decided_by_content() {
-        let kind = ChecksumKind::Crc32c;
-        let mut index = Index::with_cache(kind, 0);
+        // Every page collides with every other under this checksum.
+        let mut index = Index::with_checksum(|_| WEAK, 0);
         let mut mem = Memory::default();
         let pages: Vec<PageRef> = (0..6).map(|i| mem.set(1, i, (i % 3) as u8 + 1)).collect();
         index.begin_pass();
@@ -691,7 +719,7 @@ mod tests {
     }
 
     #[test]
-    fn a_class_is_32_bytes() {
-        assert_eq!(size_of::<Class>(), 32);
+    fn a_class_is_24_bytes() {
+        assert_eq!(size_of::<Class>(), 24);
     }
 }

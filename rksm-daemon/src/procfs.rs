@@ -77,8 +77,8 @@ impl Vma {
     /// Parses one maps line: `start-end perms offset dev inode [name]`.
     ///
     /// ```
-    /// let vma = rksm::procfs::Vma::parse("7f00-8f00 rw-p 00000000 00:00 0 \n").unwrap();
-    /// assert_eq!((vma.start, vma.end), (0x7f00, 0x8f00));
+    /// let vma = rksm::procfs::Vma::parse("7f0000-8f0000 rw-p 00000000 00:00 0 ").unwrap();
+    /// assert_eq!((vma.start, vma.end), (0x7f_0000, 0x8f_0000));
     /// assert!(vma.is_private_anonymous_writable());
     /// ```
     pub fn parse(line: &str) -> Option<Vma> {

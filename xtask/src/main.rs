@@ -57,6 +57,12 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<OsString>,
     },
+    /// Run the benchmarks (as root): checksums per page (criterion) and scan throughput.
+    Bench {
+        /// Only the checksum benchmark (seconds instead of minutes).
+        #[arg(long)]
+        checksums_only: bool,
+    },
     /// Build, check formatting and lints, and run every test (as root).
     Test {
         /// Extra arguments for `cargo test` (a filter, `--nocapture`, ...).
@@ -72,6 +78,7 @@ fn main() -> ExitCode {
         Cmd::Build => build(),
         Cmd::Run { args } => run(args),
         Cmd::Test { args } => test(args),
+        Cmd::Bench { checksums_only } => bench(checksums_only),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -453,4 +460,39 @@ fn count_before(result: &str, word: &str) -> u64 {
         })
         .and_then(|n| n.trim().parse().ok())
         .unwrap_or(0)
+}
+
+fn bench(checksums_only: bool) -> Result<()> {
+    if !is_root() {
+        bail!("the scan benchmark reads PFNs and /proc/kpageflags: run `sudo cargo xtask bench`");
+    }
+    build()?;
+    run_checked(
+        cargo()
+            .args(["bench", "-p", "rksm", "--bench", "checksum"])
+            .env("RKSM_EBPF_OBJECT", ebpf_object()),
+    )?;
+    println!("\n# checksum per 4 KiB page, criterion medians");
+    println!("| checksum | ns/page | MB/s |");
+    println!("|---|---|---|");
+    for name in ["xxh64", "crc32c", "jhash2"] {
+        let path = workspace_root().join(format!(
+            "target/criterion/checksum_4k_page/{name}/new/estimates.json"
+        ));
+        let text =
+            fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        let estimates: serde_json::Value = serde_json::from_str(&text)?;
+        let ns = estimates["median"]["point_estimate"]
+            .as_f64()
+            .context("no median in estimates.json")?;
+        println!("| {name} | {ns:.0} | {:.0} |", 4096.0 / ns * 1000.0);
+    }
+    if checksums_only {
+        return Ok(());
+    }
+    run_checked(
+        cargo()
+            .args(["bench", "-p", "rksm", "--bench", "scan"])
+            .env("RKSM_EBPF_OBJECT", ebpf_object()),
+    )
 }

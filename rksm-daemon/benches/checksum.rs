@@ -1,0 +1,36 @@
+//! Checksum cost per 4 KiB page: xxh64 and crc32c (what rksm offers) and jhash2 (what KSM
+//! used before Linux 4.20), on the same page contents, in one run.
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use rksm::checksum::{jhash2, ChecksumKind};
+
+fn page() -> Vec<u8> {
+    // Not constant, so no checksum can take a shortcut on it.
+    (0..4096u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect()
+}
+
+fn checksums(c: &mut Criterion) {
+    let page = page();
+    let words: Vec<u32> = page
+        .chunks_exact(4)
+        .map(|w| u32::from_ne_bytes(w.try_into().unwrap()))
+        .collect();
+    let mut group = c.benchmark_group("checksum_4k_page");
+    group.throughput(Throughput::Bytes(4096));
+    for kind in [ChecksumKind::Xxh64, ChecksumKind::Crc32c] {
+        group.bench_with_input(
+            BenchmarkId::from_parameter(kind.name()),
+            &page,
+            |b, page| b.iter(|| kind.checksum(std::hint::black_box(page))),
+        );
+    }
+    group.bench_with_input(BenchmarkId::from_parameter("jhash2"), &words, |b, words| {
+        b.iter(|| jhash2(std::hint::black_box(words), 17))
+    });
+    group.finish();
+}
+
+criterion_group!(benches, checksums);
+criterion_main!(benches);
