@@ -66,6 +66,9 @@ pub struct PageCounts {
     /// Pages that vanished between pagemap and reading (unmapped mid-pass).
     #[serde(skip)]
     pub pages_vanished: u64,
+    /// Time spent computing checksums.
+    #[serde(skip)]
+    pub checksum_ns: u64,
 }
 
 impl PageCounts {
@@ -84,6 +87,7 @@ impl PageCounts {
         self.pages_hashed += other.pages_hashed;
         self.pages_skipped_clean += other.pages_skipped_clean;
         self.pages_vanished += other.pages_vanished;
+        self.checksum_ns += other.checksum_ns;
     }
 }
 
@@ -112,8 +116,6 @@ pub struct PassReport {
     pub exited: Vec<u32>,
     /// Processes that could not be scanned, with the reason.
     pub failed: Vec<(u32, String)>,
-    /// Time spent computing checksums.
-    pub checksum_ns: u64,
     /// Wall time of the pass.
     pub seconds: f64,
 }
@@ -302,7 +304,7 @@ impl Scanner {
         let mut pages_done = 0;
         for (process, vmas) in plans {
             let pid = process.pid();
-            match self.scan_process(pid, &vmas, &mut report.checksum_ns, &mut |done| {
+            match self.scan_process(pid, &vmas, &mut |done| {
                 progress(Progress {
                     pages_done: pages_done + done,
                     pages_total,
@@ -373,7 +375,6 @@ impl Scanner {
         &mut self,
         pid: u32,
         vmas: &[Vma],
-        checksum_ns: &mut u64,
         progress: &mut dyn FnMut(u64),
     ) -> Result<PageCounts, ProcessScanError> {
         let dirty = self.dirty.dirty_pages(pid, vmas).unwrap_or_else(|e| {
@@ -395,7 +396,7 @@ impl Scanner {
                 &dirty,
                 &mut checksums,
                 &mut counts,
-                checksum_ns,
+                &mut |in_vma| progress(done + in_vma),
             );
             state.vmas.insert(
                 vma.start,
@@ -412,7 +413,6 @@ impl Scanner {
         Ok(counts)
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn scan_vma(
         &mut self,
         pid: u32,
@@ -421,7 +421,7 @@ impl Scanner {
         dirty: &DirtySet,
         checksums: &mut [u64],
         counts: &mut PageCounts,
-        checksum_ns: &mut u64,
+        progress: &mut dyn FnMut(u64),
     ) -> Result<(), ProcessScanError> {
         let kind = self.config.checksum;
         let mut chunk_start = vma.start;
@@ -499,7 +499,7 @@ impl Scanner {
                     }
                 })
                 .collect();
-            *checksum_ns += hashing.elapsed().as_nanos() as u64;
+            counts.checksum_ns += hashing.elapsed().as_nanos() as u64;
             counts.pages_hashed += fresh.iter().filter(|&&c| c != NO_CHECKSUM).count() as u64;
 
             for candidate in &candidates {
@@ -560,6 +560,7 @@ impl Scanner {
                 checksums[index_in_vma] = self.pfns_seen.get(&pfn).copied().unwrap_or(NO_CHECKSUM);
             }
             chunk_start += got as u64 * PAGE_SIZE;
+            progress((chunk_start - vma.start) / PAGE_SIZE);
         }
         Ok(())
     }

@@ -2,7 +2,7 @@
 
 use std::{
     io::{self, IsTerminal, Write},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use clap::Args;
@@ -68,8 +68,10 @@ pub fn run(args: EstimateArgs) -> anyhow::Result<()> {
         if pass > 1 {
             std::thread::sleep(Duration::from_secs_f64(args.interval));
         }
+        let mut last_drawn = Instant::now();
         let mut bar = |p: Progress| {
-            if show_progress {
+            if show_progress && last_drawn.elapsed() >= Duration::from_millis(100) {
+                last_drawn = Instant::now();
                 let pct = p.pages_done as f64 * 100.0 / p.pages_total.max(1) as f64;
                 eprint!(
                     "\rpass {pass}/{}: {pct:5.1}% of {} MiB",
@@ -128,7 +130,7 @@ fn to_json(report: &PassReport, args: &EstimateArgs) -> Value {
         "exited": report.exited,
         "passes": args.passes,
         "checksum": args.checksum.name(),
-        "checksum_ns_per_page": report.checksum_ns.checked_div(report.total.pages_hashed).unwrap_or(0),
+        "checksum_ns_per_page": report.total.checksum_ns.checked_div(report.total.pages_hashed).unwrap_or(0),
         "seconds": report.seconds,
     })
 }
