@@ -232,6 +232,15 @@ struct Candidate {
     pfn: u64,
 }
 
+/// What scanning one process's VMAs reads from.
+#[derive(Clone, Copy)]
+struct OpenTarget<'a> {
+    pid: u32,
+    pagemap: &'a Pagemap,
+    mem: &'a ProcMem,
+    dirty: &'a DirtySet,
+}
+
 /// Scans targets pass after pass, remembering checksums in between.
 pub struct Scanner {
     config: ScanConfig,
@@ -389,15 +398,15 @@ impl Scanner {
         let mut done = 0;
         for vma in vmas {
             let mut checksums = old.take_checksums(vma);
-            let result = self.scan_vma(
+            let target = OpenTarget {
                 pid,
-                vma,
-                (&pagemap, &mem),
-                &dirty,
-                &mut checksums,
-                &mut counts,
-                &mut |in_vma| progress(done + in_vma),
-            );
+                pagemap: &pagemap,
+                mem: &mem,
+                dirty: &dirty,
+            };
+            let result = self.scan_vma(&target, vma, &mut checksums, &mut counts, &mut |in_vma| {
+                progress(done + in_vma)
+            });
             state.vmas.insert(
                 vma.start,
                 VmaState {
@@ -415,14 +424,18 @@ impl Scanner {
 
     fn scan_vma(
         &mut self,
-        pid: u32,
+        target: &OpenTarget<'_>,
         vma: &Vma,
-        (pagemap, mem): (&Pagemap, &ProcMem),
-        dirty: &DirtySet,
         checksums: &mut [u64],
         counts: &mut PageCounts,
         progress: &mut dyn FnMut(u64),
     ) -> Result<(), ProcessScanError> {
+        let OpenTarget {
+            pid,
+            pagemap,
+            mem,
+            dirty,
+        } = *target;
         let kind = self.config.checksum;
         let mut chunk_start = vma.start;
         let mut candidates = Vec::with_capacity(CHUNK_PAGES);
