@@ -384,3 +384,52 @@ fn estimate_help_has_an_example() {
         .unwrap();
     assert!(String::from_utf8_lossy(&output.stdout).contains("Example:\n  rksm estimate"));
 }
+
+#[test]
+fn all_covers_user_processes_but_not_rksm_and_min_age_filters() {
+    require_root();
+    let child = TestChild::spawn();
+    let output = rksm_command()
+        .args(["estimate", "--all", "--passes", "1", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let pids: Vec<u64> = json["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["pid"].as_u64().unwrap())
+        .collect();
+    assert!(pids.contains(&u64::from(child.pid())), "{json}");
+    assert!(
+        pids.contains(&u64::from(std::process::id())),
+        "the test process is a user process too"
+    );
+    assert!(
+        json["processes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|p| p["comm"] != "rksm"),
+        "rksm scanned itself"
+    );
+
+    // The child is seconds old: an hour's minimum age leaves nothing.
+    let output = rksm_command()
+        .args([
+            "estimate",
+            "--pid",
+            &child.pid().to_string(),
+            "--min-age",
+            "3600",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("no process matches"));
+}
