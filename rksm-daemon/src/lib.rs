@@ -15,6 +15,7 @@ pub mod dirty;
 pub mod index;
 pub mod procfs;
 pub mod reader;
+pub mod remote;
 pub mod scan;
 pub mod targets;
 pub mod trace;

@@ -59,10 +59,8 @@ impl TestChild {
 
     /// Sends one command and returns the reply; panics on an `error` reply.
     pub fn command(&mut self, line: &str) -> String {
-        writeln!(self.stdin, "{line}").expect("child stdin");
-        let mut reply = String::new();
-        self.stdout.read_line(&mut reply).expect("child stdout");
-        let reply = reply.trim_end().to_string();
+        self.send(line);
+        let reply = self.reply();
         assert!(!reply.is_empty(), "child exited during `{line}`");
         assert!(
             !reply.starts_with("error"),
@@ -111,6 +109,30 @@ impl TestChild {
             .strip_prefix("forked ")
             .and_then(|p| p.parse().ok())
             .expect("forked PID")
+    }
+
+    /// Starts `n` threads that keep incrementing a counter; returns the counter's address.
+    pub fn threads(&mut self, n: u32) -> u64 {
+        let reply = self.command(&format!("threads {n}"));
+        let hex = reply.strip_prefix("threads 0x").expect("threads ADDR");
+        u64::from_str_radix(hex, 16).expect("hex address")
+    }
+
+    /// Puts the child under a seccomp filter (that allows everything).
+    pub fn seccomp(&mut self) {
+        assert_eq!(self.command("seccomp"), "ok");
+    }
+
+    /// Sends `line` without waiting for the reply (read it later with [`TestChild::reply`]).
+    pub fn send(&mut self, line: &str) {
+        writeln!(self.stdin, "{line}").expect("child stdin");
+    }
+
+    /// Reads one reply line.
+    pub fn reply(&mut self) -> String {
+        let mut reply = String::new();
+        self.stdout.read_line(&mut reply).expect("child stdout");
+        reply.trim_end().to_string()
     }
 
     /// Unmaps the region.
@@ -188,4 +210,29 @@ pub fn require_root() {
         euid, 0,
         "rksm's integration tests must run as root (cargo xtask test does)"
     );
+}
+
+/// The fields of /proc/PID/status that show whether a process was left alone.
+pub fn proc_status(pid: u32, field: &str) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("process status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .map(|v| v.trim().to_string())
+        .unwrap_or_default()
+}
+
+/// Number of open fds of a process.
+pub fn fd_count(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("fd dir")
+        .count()
+}
+
+/// /proc/PID/syscall of a blocked thread: the call, its arguments, stack and instruction pointers.
+pub fn blocked_syscall(pid: u32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/syscall"))
+        .expect("syscall file")
+        .trim()
+        .to_string()
 }

@@ -13,6 +13,9 @@
 //! - `read ID FIRST COUNT` → `ok SUM`: reads one word of each page, writes nothing.
 //! - `fork` → `forked PID`: a child sharing all memory copy-on-write, killed with its parent.
 //! - `unmap ID` → `ok`: unmaps the region.
+//! - `threads N` → `threads ADDR`: N threads that keep incrementing the u64 at ADDR.
+//! - `sleep MS` → `slept`: sleeps in `clock_nanosleep` (a restartable system call).
+//! - `seccomp` → `ok`: installs a seccomp filter that allows everything.
 //! - `verify ID FIRST COUNT SEED` → `ok` or `mismatch PAGE`: checks contents are intact.
 //! - `exit` → exits 0.
 //!
@@ -160,6 +163,45 @@ fn run(line: &str, regions: &mut Vec<Region>) -> Result<String, String> {
             // (later commands on it fault in the child, which is the test's own doing).
             if unsafe { libc::munmap(r.base.cast(), r.pages * PAGE) } != 0 {
                 return Err(format!("munmap: {}", io::Error::last_os_error()));
+            }
+            Ok("ok".into())
+        }
+        Some("threads") => {
+            static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            for _ in 0..num(1)? {
+                std::thread::spawn(|| loop {
+                    COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    std::thread::sleep(std::time::Duration::from_micros(100));
+                });
+            }
+            Ok(format!("threads {:#x}", COUNTER.as_ptr() as usize))
+        }
+        Some("sleep") => {
+            std::thread::sleep(std::time::Duration::from_millis(num(1)?));
+            Ok("slept".into())
+        }
+        Some("seccomp") => {
+            let allow = [libc::sock_filter {
+                code: (libc::BPF_RET | libc::BPF_K) as u16,
+                jt: 0,
+                jf: 0,
+                k: libc::SECCOMP_RET_ALLOW,
+            }];
+            let prog = libc::sock_fprog {
+                len: 1,
+                filter: allow.as_ptr().cast_mut(),
+            };
+            // SAFETY: prctl with a valid filter program that outlives the call.
+            let rc = unsafe {
+                libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
+                libc::prctl(
+                    libc::PR_SET_SECCOMP,
+                    libc::SECCOMP_MODE_FILTER,
+                    &prog as *const libc::sock_fprog,
+                )
+            };
+            if rc != 0 {
+                return Err(format!("seccomp: {}", io::Error::last_os_error()));
             }
             Ok("ok".into())
         }

@@ -1,0 +1,198 @@
+//! Remote system calls against real processes: they run, and the target is left as it was.
+
+use std::{
+    fs,
+    time::{Duration, Instant},
+};
+
+use rksm::{
+    reader::ProcMem,
+    remote::{nr, RemoteError, RemoteRefusal, RemoteSession},
+    targets::Process,
+};
+use rksm_tests::{blocked_syscall, fd_count, proc_status, require_root, wait_for, TestChild, PAGE};
+
+const MADV_MERGEABLE: u64 = 12;
+
+/// Whether the VMA starting at `start` has VM_MERGEABLE (`mg` in smaps' VmFlags).
+fn is_mergeable(pid: u32, start: u64) -> bool {
+    let smaps = fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
+    let header = format!("{start:x}-");
+    let mut in_vma = false;
+    for line in smaps.lines() {
+        if line.contains(" ")
+            && line
+                .split_whitespace()
+                .next()
+                .is_some_and(|r| r.contains('-') && r.len() > 8)
+        {
+            in_vma = line.starts_with(&header);
+        } else if in_vma && line.starts_with("VmFlags:") {
+            return line.split_whitespace().any(|f| f == "mg");
+        }
+    }
+    false
+}
+
+/// Waits until the child is asleep again (blocked in its read of stdin).
+fn asleep(pid: u32) -> bool {
+    wait_for(Duration::from_secs(5), || {
+        proc_status(pid, "State:").starts_with('S')
+    })
+}
+
+#[test]
+fn a_remote_madvise_runs_and_the_target_is_left_exactly_as_it_was() {
+    require_root();
+    let mut child = TestChild::spawn();
+    let region = child.map(64);
+    child.write(region, 0, 64, 1);
+    let pid = child.pid();
+    assert!(asleep(pid));
+    let (syscall_before, fds_before) = (blocked_syscall(pid), fd_count(pid));
+    assert!(!is_mergeable(pid, region.base));
+
+    let mut session = RemoteSession::begin(&Process::open(pid).unwrap()).unwrap();
+    assert_eq!(
+        proc_status(pid, "State:").chars().next(),
+        Some('t'),
+        "held in a trace stop"
+    );
+    assert_eq!(session.syscall(nr::GETPID, &[]).unwrap(), i64::from(pid));
+    assert_eq!(
+        session
+            .syscall(nr::MADVISE, &[region.base, 64 * PAGE, MADV_MERGEABLE])
+            .unwrap(),
+        0
+    );
+    assert_eq!(
+        session
+            .syscall(nr::MADVISE, &[region.base + 1, PAGE, MADV_MERGEABLE])
+            .unwrap(),
+        -22,
+        "EINVAL comes back as -22"
+    );
+    assert_eq!(session.finish().unwrap(), 3);
+
+    assert!(
+        is_mergeable(pid, region.base),
+        "madvise did not take effect"
+    );
+    assert_eq!(proc_status(pid, "TracerPid:"), "0");
+    assert!(
+        asleep(pid),
+        "target left stopped: {}",
+        proc_status(pid, "State:")
+    );
+    // Same system call, same arguments, same stack and instruction pointer: registers intact.
+    assert_eq!(blocked_syscall(pid), syscall_before);
+    assert_eq!(fd_count(pid), fds_before);
+    // And the read it was sleeping in still works.
+    assert!(child.verify(region, 0, 64, 1));
+}
+
+#[test]
+fn a_target_asleep_in_a_restartable_syscall_finishes_its_sleep() {
+    require_root();
+    let mut child = TestChild::spawn();
+    let pid = child.pid();
+    let started = Instant::now();
+    child.send("sleep 600");
+    assert!(
+        wait_for(Duration::from_secs(5), || blocked_syscall(pid)
+            .starts_with("230 ")),
+        "{}",
+        blocked_syscall(pid)
+    );
+    let mut session = RemoteSession::begin(&Process::open(pid).unwrap()).unwrap();
+    for _ in 0..50 {
+        assert_eq!(session.syscall(nr::GETPID, &[]).unwrap(), i64::from(pid));
+    }
+    session.finish().unwrap();
+    assert_eq!(child.reply(), "slept");
+    let slept = started.elapsed();
+    assert!(
+        slept >= Duration::from_millis(600),
+        "the sleep was cut short: {slept:?}"
+    );
+    assert!(
+        slept < Duration::from_secs(5),
+        "the sleep did not resume: {slept:?}"
+    );
+}
+
+#[test]
+fn other_threads_keep_running_while_one_is_borrowed() {
+    require_root();
+    let mut child = TestChild::spawn();
+    let counter = child.threads(3);
+    let pid = child.pid();
+    let mem = ProcMem::open(pid).unwrap();
+    let read_counter = || {
+        let mut page = vec![0u8; PAGE as usize];
+        let base = counter & !(PAGE - 1);
+        assert!(mem.read_page(base, &mut page));
+        let at = (counter - base) as usize;
+        u64::from_ne_bytes(page[at..at + 8].try_into().unwrap())
+    };
+    let mut session = RemoteSession::begin(&Process::open(pid).unwrap()).unwrap();
+    let before = read_counter();
+    assert!(
+        wait_for(Duration::from_secs(5), || read_counter() > before + 100),
+        "threads stopped with the borrowed one"
+    );
+    assert_eq!(session.syscall(nr::GETPID, &[]).unwrap(), i64::from(pid));
+    session.finish().unwrap();
+    assert_eq!(proc_status(pid, "TracerPid:"), "0");
+    // The borrowed (main) thread answers commands again.
+    let region = child.map(1);
+    child.write(region, 0, 1, 5);
+    assert!(child.verify(region, 0, 1, 5));
+}
+
+#[test]
+fn traced_and_seccomp_targets_are_refused_and_untouched() {
+    require_root();
+    // Traced: this test process seizes the child first, as a debugger would.
+    let child = TestChild::spawn();
+    let pid = child.pid();
+    assert!(asleep(pid));
+    let before = blocked_syscall(pid);
+    let tid = nix::unistd::Pid::from_raw(pid as i32);
+    nix::sys::ptrace::seize(tid, nix::sys::ptrace::Options::empty()).unwrap();
+    match RemoteSession::begin(&Process::open(pid).unwrap()) {
+        Err(RemoteError::Refused {
+            reason: RemoteRefusal::Traced,
+            ..
+        }) => {}
+        other => panic!(
+            "a traced target was not refused: {:?}",
+            other.map(|s| s.pid())
+        ),
+    }
+    // A seized tracee can only be detached from a stop.
+    nix::sys::ptrace::interrupt(tid).unwrap();
+    nix::sys::wait::waitpid(tid, Some(nix::sys::wait::WaitPidFlag::__WALL)).unwrap();
+    nix::sys::ptrace::detach(tid, None).unwrap();
+    assert!(asleep(pid));
+    assert_eq!(blocked_syscall(pid), before);
+
+    let mut filtered = TestChild::spawn();
+    filtered.seccomp();
+    let pid = filtered.pid();
+    assert!(asleep(pid));
+    let before = blocked_syscall(pid);
+    match RemoteSession::begin(&Process::open(pid).unwrap()) {
+        Err(RemoteError::Refused {
+            reason: RemoteRefusal::Seccomp,
+            ..
+        }) => {}
+        other => panic!(
+            "a seccomp target was not refused: {:?}",
+            other.map(|s| s.pid())
+        ),
+    }
+    assert_eq!(blocked_syscall(pid), before);
+    assert_eq!(proc_status(pid, "TracerPid:"), "0");
+    assert!(asleep(pid));
+}
