@@ -57,7 +57,11 @@ pub enum Placement {
     /// The first page seen with this content this pass: it stays.
     Unique,
     /// Its content equals an earlier page's (or a merged page's): merging would free it.
-    Duplicate,
+    Duplicate {
+        /// The first page seen with this content (its class's representative): marking both
+        /// lets ksmd merge them.
+        of: PageRef,
+    },
     /// Its checksum changed since the previous pass: kept out of the unstable tree.
     Volatile,
     /// Its content was needed for a comparison but could not be read.
@@ -201,14 +205,17 @@ impl ContentTree {
         Lookup::Missing
     }
 
-    fn join(&mut self, id: ClassId, pid: u32) {
+    /// Adds a page of `pid` to class `id`; returns the class's representative.
+    fn join(&mut self, id: ClassId, pid: u32) -> PageRef {
         let class = &mut self.classes[id as usize];
         class.copies += 1;
         let rep_pid = class.rep_pid;
+        let rep = PageRef { pid: rep_pid, addr: class.rep_addr };
         let holders = self.holders.entry(id).or_insert_with(|| vec![rep_pid]);
         if !holders.contains(&pid) {
             holders.push(pid);
         }
+        rep
     }
 
     fn insert(&mut self, checksum: u64, page: PageRef, zero: bool) -> ClassId {
@@ -386,35 +393,25 @@ impl Index {
             // Merged content may also sit in the unstable tree already (an unmerged copy seen
             // earlier this pass): then this page is the extra copy.
             let in_unstable = match self.unstable.find(checksum, &mut under_test, src, hash) {
-                Lookup::Found(id) => {
-                    self.unstable.join(id, page.pid);
-                    true
-                }
+                Lookup::Found(id) => Some(self.unstable.join(id, page.pid)),
                 Lookup::Vanished => return Placement::Vanished,
-                Lookup::Missing => false,
+                Lookup::Missing => None,
             };
             return match self.stable.find(checksum, &mut under_test, src, hash) {
-                Lookup::Found(id) => {
-                    self.stable.join(id, page.pid);
-                    Placement::Duplicate
-                }
+                Lookup::Found(id) => Placement::Duplicate { of: self.stable.join(id, page.pid) },
                 Lookup::Vanished => Placement::Vanished,
                 Lookup::Missing => {
                     let zero = self.is_zero(checksum, &mut under_test, src);
                     self.stable.insert(checksum, page, zero);
-                    if in_unstable {
-                        Placement::Duplicate
-                    } else {
-                        Placement::Unique
+                    match in_unstable {
+                        Some(of) => Placement::Duplicate { of },
+                        None => Placement::Unique,
                     }
                 }
             };
         }
         match self.stable.find(checksum, &mut under_test, src, hash) {
-            Lookup::Found(id) => {
-                self.stable.join(id, page.pid);
-                return Placement::Duplicate;
-            }
+            Lookup::Found(id) => return Placement::Duplicate { of: self.stable.join(id, page.pid) },
             Lookup::Vanished => return Placement::Vanished,
             Lookup::Missing => {}
         }
@@ -422,10 +419,7 @@ impl Index {
             return Placement::Volatile;
         }
         match self.unstable.find(checksum, &mut under_test, src, hash) {
-            Lookup::Found(id) => {
-                self.unstable.join(id, page.pid);
-                Placement::Duplicate
-            }
+            Lookup::Found(id) => Placement::Duplicate { of: self.unstable.join(id, page.pid) },
             Lookup::Vanished => Placement::Vanished,
             Lookup::Missing => {
                 let zero = self.is_zero(checksum, &mut under_test, src);
@@ -545,7 +539,7 @@ mod tests {
         assert_eq!(place(&mut index, &mut mem, a, sum, sum), Placement::Unique);
         assert_eq!(
             place(&mut index, &mut mem, b, sum, sum),
-            Placement::Duplicate
+            Placement::Duplicate { of: a }
         );
         // A page that changed since its previous checksum stays out even if it now matches.
         let c = mem.set(3, 0, 7);
@@ -584,7 +578,14 @@ mod tests {
         // Contents 1,2,3,1,2,3 under one checksum: three classes, three duplicates.
         assert_eq!(
             placed,
-            [Unique, Unique, Unique, Duplicate, Duplicate, Duplicate]
+            [
+                Unique,
+                Unique,
+                Unique,
+                Duplicate { of: pages[0] },
+                Duplicate { of: pages[1] },
+                Duplicate { of: pages[2] }
+            ]
         );
         assert_eq!(index.classes().1, 3);
         let top = index.top(10);
@@ -608,7 +609,7 @@ mod tests {
         let c = mem.set(3, 0, 9);
         assert_eq!(
             place(&mut index, &mut mem, c, sum, sum),
-            Placement::Duplicate
+            Placement::Duplicate { of: b }
         );
         // A representative in an exited process is stale too.
         mem.pages.remove(&b);
@@ -642,7 +643,7 @@ mod tests {
                 sum,
                 crate::checksum::NO_CHECKSUM
             ),
-            Placement::Duplicate
+            Placement::Duplicate { of: merged }
         );
         assert_eq!(index.top(1)[0].pids, [1, 2]);
     }
@@ -663,7 +664,7 @@ mod tests {
         let content = mem.pages[&merged];
         assert_eq!(
             index.place(merged, sum, sum, true, Content::Loaded(&content), &mut mem),
-            Placement::Duplicate
+            Placement::Duplicate { of: plain }
         );
     }
 
@@ -683,7 +684,7 @@ mod tests {
         assert_eq!(mem.reads, 0, "a unique clean page must not be read");
         assert_eq!(
             index.place(b, sum, sum, false, Content::Unread, &mut mem),
-            Placement::Duplicate
+            Placement::Duplicate { of: a }
         );
         assert_eq!(
             mem.reads, 2,
@@ -712,7 +713,7 @@ mod tests {
         );
         assert_eq!(
             index.place(second, zero, zero, false, Content::Zero, &mut mem),
-            Placement::Duplicate
+            Placement::Duplicate { of: first }
         );
         assert_eq!(mem.reads, 0);
         assert!(index.top(1)[0].zero);

@@ -10,9 +10,13 @@
 //!
 //! Scanning, checksums, the dedup index, arming and merging get their own modules as they land.
 
+pub mod arming;
 pub mod checksum;
+pub mod daemon;
 pub mod dirty;
 pub mod index;
+pub mod ksmd;
+pub mod merge;
 pub mod procfs;
 pub mod reader;
 pub mod remote;

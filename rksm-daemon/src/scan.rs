@@ -40,6 +40,8 @@ pub struct ScanConfig {
     /// Restrict the scan to these `(pid, start, end)` address ranges (tests, targeted runs);
     /// empty means every private anonymous writable VMA of every target.
     pub only_ranges: Vec<(u32, u64, u64)>,
+    /// Collect the verified duplicates of each pass for the merge executor.
+    pub collect_merge_candidates: bool,
 }
 
 /// Page counts of one process or of all (the `estimate` report's fields).
@@ -69,6 +71,12 @@ pub struct PageCounts {
     /// Time spent computing checksums.
     #[serde(skip)]
     pub checksum_ns: u64,
+    /// KSM pages (counted once each), as ksmd's `pages_shared`.
+    #[serde(skip)]
+    pub ksm_pages_shared: u64,
+    /// Further mappings of KSM pages, as ksmd's `pages_sharing`: the memory merging saved.
+    #[serde(skip)]
+    pub ksm_pages_sharing: u64,
 }
 
 impl PageCounts {
@@ -88,6 +96,8 @@ impl PageCounts {
         self.pages_skipped_clean += other.pages_skipped_clean;
         self.pages_vanished += other.pages_vanished;
         self.checksum_ns += other.checksum_ns;
+        self.ksm_pages_shared += other.ksm_pages_shared;
+        self.ksm_pages_sharing += other.ksm_pages_sharing;
     }
 }
 
@@ -118,6 +128,13 @@ pub struct PassReport {
     pub failed: Vec<(u32, String)>,
     /// Wall time of the pass.
     pub seconds: f64,
+    /// Per process, the pages whose content was verified equal to another page's, with the
+    /// pages they equal (only with [`ScanConfig::collect_merge_candidates`]).
+    pub merge_candidates: HashMap<u32, Vec<u64>>,
+    /// Per process, the pages mapped to KSM pages.
+    pub ksm_pages: HashMap<u32, Vec<u64>>,
+    /// Per process, the VMAs scanned and how many VMAs it has in all.
+    pub vmas: HashMap<u32, (Vec<Vma>, usize)>,
 }
 
 /// Progress within a pass, for a progress bar.
@@ -255,6 +272,8 @@ pub struct Scanner {
     read_ok: Vec<bool>,
     entries: Vec<PagemapEntry>,
     live: LiveMemory,
+    merge_candidates: HashMap<u32, Vec<u64>>,
+    ksm_pages: HashMap<u32, Vec<u64>>,
 }
 
 impl Scanner {
@@ -272,6 +291,8 @@ impl Scanner {
             read_ok: vec![false; CHUNK_PAGES],
             entries: vec![PagemapEntry(0); CHUNK_PAGES],
             live: LiveMemory::default(),
+            merge_candidates: HashMap::new(),
+            ksm_pages: HashMap::new(),
         })
     }
 
@@ -280,12 +301,25 @@ impl Scanner {
         self.dirty.mode()
     }
 
+    /// System calls the dirty source made inside targets.
+    pub fn dirty_remote_syscalls(&self) -> u64 {
+        self.dirty.remote_syscalls()
+    }
+
+    /// Stops keeping anything for `pid` (it is no longer a target).
+    pub fn forget(&mut self, pid: u32) {
+        self.states.remove(&pid);
+        self.dirty.forget(pid);
+    }
+
     /// Runs one pass over `processes`.
-    pub fn pass(
-        &mut self,
-        processes: &[Process],
-        progress: &mut dyn FnMut(Progress),
-    ) -> PassReport {
+    pub fn pass(&mut self, processes: &[Process], progress: &mut dyn FnMut(Progress)) -> PassReport {
+        let refs: Vec<&Process> = processes.iter().collect();
+        self.pass_over(&refs, progress)
+    }
+
+    /// Runs one pass over `processes` (borrowed from wherever they are kept).
+    pub fn pass_over(&mut self, processes: &[&Process], progress: &mut dyn FnMut(Progress)) -> PassReport {
         let started = Instant::now();
         let mut report = PassReport::default();
         self.index.begin_pass();
@@ -293,14 +327,17 @@ impl Scanner {
         self.live.open.clear();
 
         let mut plans = Vec::new();
-        for process in processes {
+        for &process in processes {
             // A zombie still has a /proc entry, with no memory: it has exited all the same.
             if process.has_exited() {
                 report.exited.push(process.pid());
                 continue;
             }
             match self.vmas_of(process.pid()) {
-                Ok(vmas) => plans.push((process, vmas)),
+                Ok((vmas, total)) => {
+                    report.vmas.insert(process.pid(), (vmas.clone(), total));
+                    plans.push((process, vmas));
+                }
                 Err(ProcessScanError::Gone) => report.exited.push(process.pid()),
                 Err(ProcessScanError::Failed(why)) => report.failed.push((process.pid(), why)),
             }
@@ -313,7 +350,7 @@ impl Scanner {
         let mut pages_done = 0;
         for (process, vmas) in plans {
             let pid = process.pid();
-            match self.scan_process(pid, &vmas, &mut |done| {
+            match self.scan_process(process, &vmas, &mut |done| {
                 progress(Progress {
                     pages_done: pages_done + done,
                     pages_total,
@@ -347,17 +384,20 @@ impl Scanner {
             self.dirty.forget(pid);
         }
         report.top = self.index.top(10);
+        report.merge_candidates = std::mem::take(&mut self.merge_candidates);
+        report.ksm_pages = std::mem::take(&mut self.ksm_pages);
         report.seconds = started.elapsed().as_secs_f64();
         report
     }
 
     /// The VMAs of `pid` that this scanner covers.
-    fn vmas_of(&self, pid: u32) -> Result<Vec<Vma>, ProcessScanError> {
-        let vmas = procfs::read_maps(pid)?
-            .into_iter()
-            .filter(Vma::is_private_anonymous_writable);
+    /// The VMAs of `pid` that this scanner covers, and the number of VMAs it has in all.
+    fn vmas_of(&self, pid: u32) -> Result<(Vec<Vma>, usize), ProcessScanError> {
+        let all = procfs::read_maps(pid)?;
+        let total = all.len();
+        let vmas = all.into_iter().filter(Vma::is_private_anonymous_writable);
         if self.config.only_ranges.is_empty() {
-            return Ok(vmas.collect());
+            return Ok((vmas.collect(), total));
         }
         let ranges: Vec<(u64, u64)> = self
             .config
@@ -366,7 +406,7 @@ impl Scanner {
             .filter(|r| r.0 == pid)
             .map(|r| (r.1, r.2))
             .collect();
-        Ok(vmas
+        Ok((vmas
             .flat_map(|vma| {
                 ranges.iter().filter_map(move |&(start, end)| {
                     let (from, to) = (start.max(vma.start), end.min(vma.end));
@@ -377,16 +417,17 @@ impl Scanner {
                     })
                 })
             })
-            .collect())
+            .collect(), total))
     }
 
     fn scan_process(
         &mut self,
-        pid: u32,
+        process: &Process,
         vmas: &[Vma],
         progress: &mut dyn FnMut(u64),
     ) -> Result<PageCounts, ProcessScanError> {
-        let dirty = self.dirty.dirty_pages(pid, vmas).unwrap_or_else(|e| {
+        let pid = process.pid();
+        let dirty = self.dirty.dirty_pages(process, vmas).unwrap_or_else(|e| {
             log::warn!("{e}; rehashing every page of pid {pid} this pass");
             DirtySet::All
         });
@@ -467,8 +508,12 @@ impl Scanner {
                 if !entry.exclusive() && pfn != 0 {
                     let flags = self.kpageflags.get(pfn).unwrap_or_default();
                     (ksm, zero) = (flags.ksm(), flags.zero_page());
+                    if ksm {
+                        self.ksm_pages.entry(pid).or_default().push(addr);
+                    }
                     if self.pfns_seen.contains_key(&pfn) {
                         counts.already_shared_pages += 1;
+                        counts.ksm_pages_sharing += u64::from(ksm);
                         // Shared or not, a mapping of the zero page is a zero page.
                         counts.zero_pages += u64::from(zero);
                         // This mapping's content is the frame's: remember its checksum, so
@@ -477,6 +522,7 @@ impl Scanner {
                         continue;
                     }
                     self.pfns_seen.insert(pfn, NO_CHECKSUM);
+                    counts.ksm_pages_shared += u64::from(ksm);
                 }
                 let source = if zero {
                     Source::Zero
@@ -552,7 +598,13 @@ impl Scanner {
                     &mut self.live,
                 ) {
                     Placement::Unique => counts.unique_pages += 1,
-                    Placement::Duplicate => counts.duplicate_pages += 1,
+                    Placement::Duplicate { of } => {
+                        counts.duplicate_pages += 1;
+                        if self.config.collect_merge_candidates {
+                            self.merge_candidates.entry(pid).or_default().push(page.addr);
+                            self.merge_candidates.entry(of.pid).or_default().push(of.addr);
+                        }
+                    }
                     Placement::Volatile => counts.volatile_pages += 1,
                     Placement::Vanished => {
                         counts.pages_vanished += 1;

@@ -126,6 +126,12 @@ impl Process {
         self.pid
     }
 
+    /// The pidfd that pins the process.
+    pub fn pidfd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.pidfd.as_fd()
+    }
+
     /// The command name, as in /proc/PID/comm.
     pub fn comm(&self) -> &str {
         &self.comm
@@ -180,6 +186,8 @@ pub struct TargetSpec {
     pub all: bool,
     /// Only processes at least this old.
     pub min_age: Option<Duration>,
+    /// A process and all its descendants (`rksm run`).
+    pub tree_of: Option<u32>,
 }
 
 /// Errors in a target selection: all are the operator's input, so all are exit status 2.
@@ -213,35 +221,58 @@ pub struct Selection {
 impl TargetSpec {
     /// Whether any selector was given.
     pub fn is_empty(&self) -> bool {
-        self.pids.is_empty() && self.cgroups.is_empty() && self.comm.is_none() && !self.all
+        self.pids.is_empty() && self.cgroups.is_empty() && self.comm.is_none() && !self.all && self.tree_of.is_none()
     }
 
     /// Resolves the selection now. Explicit pids must be usable; processes found through a
     /// cgroup, a name or --all that are refused (kernel threads, rksm itself) are listed in
     /// [`Selection::refused`]; processes that exit while being looked at are skipped.
     pub fn resolve(&self) -> Result<Selection, SelectionError> {
+        self.resolve_with(true)
+    }
+
+    /// Like [`TargetSpec::resolve`], but explicit pids that no longer exist or are refused
+    /// are skipped: for the daemon's later passes, when processes come and go.
+    pub fn resolve_again(&self) -> Result<Selection, SelectionError> {
+        self.resolve_with(false)
+    }
+
+    fn resolve_with(&self, strict: bool) -> Result<Selection, SelectionError> {
         if self.is_empty() {
             return Err(SelectionError::Empty);
         }
         let mut selection = Selection::default();
         let mut seen = BTreeSet::new();
         for &pid in &self.pids {
-            let process = Process::open(pid)?;
-            if seen.insert(process.pid()) {
-                selection.processes.push(process);
+            match Process::open(pid) {
+                Ok(process) => {
+                    if seen.insert(process.pid()) {
+                        selection.processes.push(process);
+                    }
+                }
+                Err(e) if strict => return Err(e.into()),
+                Err(TargetError::Refused { pid, comm, reason }) => {
+                    if seen.insert(pid) {
+                        selection.refused.push((pid, comm, reason));
+                    }
+                }
+                Err(_) => {}
             }
         }
         let mut in_cgroups = BTreeSet::new();
         for cgroup in &self.cgroups {
             collect_cgroup(&resolve_cgroup(cgroup), &mut in_cgroups)?;
         }
+        let in_tree = self.tree_of.map(descendants).unwrap_or_default();
         let mut candidates = in_cgroups.clone();
+        candidates.extend(in_tree.iter().copied());
         if self.all || self.comm.is_some() {
             candidates.extend(all_pids());
         }
         let wanted = |pid: u32, comm: &str| {
             self.all
                 || in_cgroups.contains(&pid)
+                || in_tree.contains(&pid)
                 || self.comm.as_ref().is_some_and(|re| re.is_match(comm))
         };
         for pid in candidates {
@@ -298,6 +329,27 @@ fn collect_cgroup(dir: &Path, pids: &mut BTreeSet<u32>) -> Result<(), SelectionE
         }
     }
     Ok(())
+}
+
+/// `root` and every process below it, from the parent pids in /proc/PID/stat.
+fn descendants(root: u32) -> BTreeSet<u32> {
+    let parents: Vec<(u32, u32)> = all_pids()
+        .into_iter()
+        .filter_map(|pid| {
+            let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            let after = stat.get(stat.rfind(')')? + 1..)?;
+            let ppid = after.split_ascii_whitespace().nth(1)?.parse().ok()?;
+            Some((pid, ppid))
+        })
+        .collect();
+    let mut tree = BTreeSet::from([root]);
+    loop {
+        let before = tree.len();
+        tree.extend(parents.iter().filter(|(_, ppid)| tree.contains(ppid)).map(|&(pid, _)| pid).collect::<Vec<_>>());
+        if tree.len() == before {
+            return tree;
+        }
+    }
 }
 
 /// Every numeric entry of /proc: all processes (thread ids are not listed there).

@@ -4,6 +4,7 @@ use std::io::Write;
 
 use clap::{Parser, Subcommand};
 
+mod daemon;
 mod estimate;
 mod targets;
 mod trace;
@@ -33,6 +34,8 @@ pub struct Cli {
 enum Command {
     Trace(trace::TraceArgs),
     Estimate(estimate::EstimateArgs),
+    Daemon(daemon::DaemonArgs),
+    Run(daemon::RunArgs),
 }
 
 /// Runs the parsed command.
@@ -40,6 +43,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Trace(args) => trace::run(args),
         Command::Estimate(args) => estimate::run(args),
+        Command::Daemon(args) => daemon::run_daemon(args),
+        Command::Run(args) => daemon::run_command(args),
     }
 }
 

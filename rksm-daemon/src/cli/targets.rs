@@ -54,6 +54,7 @@ impl TargetArgs {
             comm: self.comm.clone(),
             all: self.all,
             min_age: self.min_age.map(Duration::from_secs_f64),
+            tree_of: None,
         }
     }
 

@@ -1,0 +1,237 @@
+//! Write-protect arming: make every first write after a pass fault, and read who wrote.
+//!
+//! A dirty bit for anonymous memory that the hardware does not give userspace: rksm creates
+//! a userfaultfd *inside* the target (a remote `userfaultfd(UFFD_USER_MODE_ONLY)`, which also
+//! works for unprivileged targets), takes it with `pidfd_getfd`, closes the target's copy, and
+//! from then on drives it from the daemon: `UFFDIO_API` with `WP_ASYNC | WP_UNPOPULATED`
+//! (write faults on protected pages are resolved in the kernel, with no round trip to rksm)
+//! and `UFFDIO_REGISTER` in write-protect mode on each scanned VMA. Each pass then calls
+//! `PAGEMAP_SCAN` with `PM_SCAN_WP_MATCHING` on /proc/PID/pagemap: it returns the pages
+//! written since the previous call and write-protects them again, atomically. Protection
+//! always happens before the pages are read, so a write after the read shows up next pass.
+//!
+//! When rksm exits, its uffd closes and the kernel drops the registration; the target never
+//! holds an extra fd. VMAs the target registered with a userfaultfd of its own cannot be
+//! registered again (`EBUSY`); they stay unarmed, and their pages are rehashed every pass.
+
+use std::{
+    collections::HashSet,
+    fs::File,
+    io,
+    os::fd::{AsRawFd, FromRawFd, OwnedFd},
+};
+
+use rksm_common::PAGE_SIZE;
+
+use crate::{
+    procfs::Vma,
+    remote::{nr, RemoteError, RemoteSession},
+    targets::Process,
+};
+
+const UFFD_API: u64 = 0xAA;
+const UFFD_USER_MODE_ONLY: u64 = 1;
+const UFFD_FEATURE_WP_UNPOPULATED: u64 = 1 << 13;
+const UFFD_FEATURE_WP_ASYNC: u64 = 1 << 15;
+const UFFDIO_REGISTER_MODE_WP: u64 = 1 << 1;
+const PM_SCAN_WP_MATCHING: u64 = 1 << 0;
+const PM_SCAN_CHECK_WPASYNC: u64 = 1 << 1;
+const PAGE_IS_WRITTEN: u64 = 1 << 1;
+
+#[repr(C)]
+struct UffdioApi {
+    api: u64,
+    features: u64,
+    ioctls: u64,
+}
+
+#[repr(C)]
+struct UffdioRegister {
+    start: u64,
+    len: u64,
+    mode: u64,
+    ioctls: u64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct PageRegion {
+    start: u64,
+    end: u64,
+    categories: u64,
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct PmScanArg {
+    size: u64,
+    flags: u64,
+    start: u64,
+    end: u64,
+    walk_end: u64,
+    vec: u64,
+    vec_len: u64,
+    max_pages: u64,
+    category_inverted: u64,
+    category_mask: u64,
+    category_anyof_mask: u64,
+    return_mask: u64,
+}
+
+nix::ioctl_readwrite!(uffdio_api, 0xAA, 0x3F, UffdioApi);
+nix::ioctl_readwrite!(uffdio_register, 0xAA, 0x00, UffdioRegister);
+nix::ioctl_readwrite!(pagemap_scan, b'f', 16, PmScanArg);
+
+/// Errors arming a process.
+#[derive(Debug, thiserror::Error)]
+pub enum ArmError {
+    /// The remote part (creating or closing the target's userfaultfd) failed or was refused.
+    #[error(transparent)]
+    Remote(#[from] RemoteError),
+    /// The target could not create a userfaultfd.
+    #[error("pid {pid}: userfaultfd() inside the target returned {errno}")]
+    Create {
+        /// The process.
+        pid: u32,
+        /// The negative errno.
+        errno: i64,
+    },
+    /// A local system call failed.
+    #[error("pid {pid}: {what}: {source}")]
+    Io {
+        /// The process.
+        pid: u32,
+        /// Which call.
+        what: &'static str,
+        /// What the kernel said.
+        source: io::Error,
+    },
+}
+
+/// One process's write-protect arming.
+#[derive(Debug)]
+pub struct Armed {
+    pid: u32,
+    uffd: OwnedFd,
+    pagemap: File,
+    /// Ranges registered for write protection, sorted.
+    registered: Vec<(u64, u64)>,
+    /// Ranges that refused registration (the target's own userfaultfd): never armed.
+    refused: Vec<(u64, u64)>,
+}
+
+impl Armed {
+    /// Creates the userfaultfd inside `process` (in `session`, one stop shared with other
+    /// remote calls) and takes it over. Nothing is registered yet.
+    pub fn arm(process: &Process, session: &mut RemoteSession) -> Result<Self, ArmError> {
+        let pid = process.pid();
+        let flags = libc::O_CLOEXEC as u64 | libc::O_NONBLOCK as u64 | UFFD_USER_MODE_ONLY;
+        let remote_fd = session.syscall(nr::USERFAULTFD, &[flags])?;
+        if remote_fd < 0 {
+            return Err(ArmError::Create { pid, errno: remote_fd });
+        }
+        // SAFETY: pidfd_getfd takes a pidfd we own, a fd number and flags; it returns a new fd.
+        let local = unsafe { libc::syscall(libc::SYS_pidfd_getfd, process.pidfd().as_raw_fd(), remote_fd as i32, 0) };
+        let taken = io::Error::last_os_error();
+        // The target's copy goes whatever happened: it must not keep an extra fd.
+        let closed = session.syscall(nr::CLOSE, &[remote_fd as u64])?;
+        if local < 0 {
+            return Err(ArmError::Io { pid, what: "pidfd_getfd", source: taken });
+        }
+        // SAFETY: the kernel just gave us this fd and nothing else owns it.
+        let uffd = unsafe { OwnedFd::from_raw_fd(local as i32) };
+        if closed != 0 {
+            log::warn!("pid {pid}: closing its userfaultfd copy returned {closed}");
+        }
+        let mut api = UffdioApi { api: UFFD_API, features: UFFD_FEATURE_WP_ASYNC | UFFD_FEATURE_WP_UNPOPULATED, ioctls: 0 };
+        // SAFETY: a valid uffd and a properly laid out uffdio_api.
+        unsafe { uffdio_api(uffd.as_raw_fd(), &mut api) }
+            .map_err(|e| ArmError::Io { pid, what: "UFFDIO_API (WP_ASYNC needs Linux 6.7)", source: e.into() })?;
+        let pagemap = File::open(format!("/proc/{pid}/pagemap"))
+            .map_err(|source| ArmError::Io { pid, what: "opening pagemap", source })?;
+        Ok(Armed { pid, uffd, pagemap, registered: Vec::new(), refused: Vec::new() })
+    }
+
+    /// Registers the VMAs not registered yet and forgets ranges that are no longer VMAs.
+    pub fn register(&mut self, vmas: &[Vma]) {
+        self.registered.retain(|&(s, e)| vmas.iter().any(|v| v.start == s && v.end == e));
+        self.refused.retain(|&(s, e)| vmas.iter().any(|v| v.start == s && v.end == e));
+        for vma in vmas {
+            let range = (vma.start, vma.end);
+            if self.registered.contains(&range) || self.refused.contains(&range) {
+                continue;
+            }
+            let mut reg = UffdioRegister { start: vma.start, len: vma.end - vma.start, mode: UFFDIO_REGISTER_MODE_WP, ioctls: 0 };
+            // SAFETY: a valid uffd and a properly laid out uffdio_register.
+            match unsafe { uffdio_register(self.uffd.as_raw_fd(), &mut reg) } {
+                Ok(_) => self.registered.push(range),
+                Err(errno) => {
+                    log::debug!("pid {}: cannot arm {:#x}-{:#x}: {errno}", self.pid, vma.start, vma.end);
+                    self.refused.push(range);
+                }
+            }
+        }
+        self.registered.sort_unstable();
+    }
+
+    /// Ranges whose pages are write-protected after [`Armed::protect`].
+    pub fn armed_ranges(&self) -> &[(u64, u64)] {
+        &self.registered
+    }
+
+    /// Write-protects every armed page and returns the pages written since the previous call
+    /// (all pages, the first time). A range that fails (unmapped and mapped again meanwhile)
+    /// is dropped from the armed set, so its pages count as unprotected.
+    pub fn protect(&mut self) -> HashSet<u64> {
+        let mut written = HashSet::new();
+        let mut failed = Vec::new();
+        let mut regions = vec![PageRegion::default(); 512];
+        for &(start, end) in &self.registered {
+            let mut from = start;
+            while from < end {
+                let mut arg = PmScanArg {
+                    size: size_of::<PmScanArg>() as u64,
+                    flags: PM_SCAN_WP_MATCHING | PM_SCAN_CHECK_WPASYNC,
+                    start: from,
+                    end,
+                    vec: regions.as_mut_ptr() as u64,
+                    vec_len: regions.len() as u64,
+                    category_mask: PAGE_IS_WRITTEN,
+                    return_mask: PAGE_IS_WRITTEN,
+                    ..PmScanArg::default()
+                };
+                // SAFETY: `arg` describes `regions`, which outlives the call; the kernel writes
+                // at most vec_len entries.
+                match unsafe { pagemap_scan(self.pagemap.as_raw_fd(), &mut arg) } {
+                    Ok(n) => {
+                        for region in &regions[..n as usize] {
+                            written.extend((region.start..region.end).step_by(PAGE_SIZE as usize));
+                        }
+                        // The walk stops early when the vector is full; go on from there.
+                        from = if arg.walk_end > from { arg.walk_end } else { end };
+                    }
+                    Err(errno) => {
+                        log::debug!("pid {}: PAGEMAP_SCAN {start:#x}-{end:#x}: {errno}", self.pid);
+                        failed.push((start, end));
+                        break;
+                    }
+                }
+            }
+        }
+        self.registered.retain(|r| !failed.contains(r));
+        written
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_structures_have_the_kernels_sizes() {
+        assert_eq!(size_of::<UffdioApi>(), 24);
+        assert_eq!(size_of::<UffdioRegister>(), 32);
+        assert_eq!(size_of::<PageRegion>(), 24);
+        assert_eq!(size_of::<PmScanArg>(), 96);
+    }
+}

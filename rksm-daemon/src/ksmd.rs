@@ -1,0 +1,231 @@
+//! ksmd's settings: owned while rksm runs, restored when it stops.
+//!
+//! rksm does not merge pages itself; it marks verified duplicates `MADV_MERGEABLE` and lets
+//! ksmd do the page-table work. For that ksmd must run, and fast enough to sweep the marked
+//! set soon after it is marked; but only the marked set is mergeable, so a fast ksmd costs
+//! little. rksm sets `run`, `pages_to_scan` and `sleep_millisecs` while it runs and puts back
+//! exactly what it found when it stops. It never writes `run=2` (which unmerges everything).
+//! The counters in the same directory are read here too, once.
+
+use std::{
+    fs, io,
+    path::{Path, PathBuf},
+};
+
+/// Where the kernel exposes KSM.
+pub const KSM_SYSFS: &str = "/sys/kernel/mm/ksm";
+
+/// Errors with ksmd's sysfs files.
+#[derive(Debug, thiserror::Error)]
+pub enum KsmdError {
+    /// No KSM in this kernel.
+    #[error("KSM is not available on this kernel ({0} is missing); rksm cannot merge here, but `rksm estimate` still works")]
+    Absent(PathBuf),
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What failed.
+        source: io::Error,
+    },
+    /// A file held something that is not a number.
+    #[error("{0}: not a number")]
+    Malformed(PathBuf),
+}
+
+/// The settings rksm owns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KsmdSettings {
+    /// 0 stopped, 1 running (2, unmerge everything, is never written by rksm).
+    pub run: u64,
+    /// Pages ksmd looks at per wake-up.
+    pub pages_to_scan: u64,
+    /// Sleep between wake-ups.
+    pub sleep_millisecs: u64,
+}
+
+/// ksmd's counters (names as in /sys/kernel/mm/ksm).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct KsmdCounters {
+    /// KSM pages in use.
+    pub pages_shared: u64,
+    /// Further mappings of KSM pages: the memory saved.
+    pub pages_sharing: u64,
+    /// Mergeable pages ksmd found unique.
+    pub pages_unshared: u64,
+    /// Mergeable pages changing too fast to be merged.
+    pub pages_volatile: u64,
+    /// Complete sweeps of the mergeable areas.
+    pub full_scans: u64,
+}
+
+fn read_number(path: &Path) -> Result<u64, KsmdError> {
+    let text = fs::read_to_string(path).map_err(|source| KsmdError::Io { path: path.into(), source })?;
+    text.trim().parse().map_err(|_| KsmdError::Malformed(path.into()))
+}
+
+fn write_number(path: &Path, value: u64) -> Result<(), KsmdError> {
+    fs::write(path, value.to_string()).map_err(|source| KsmdError::Io { path: path.into(), source })
+}
+
+/// Reads ksmd's counters under `root` (normally [`KSM_SYSFS`]).
+pub fn counters(root: &Path) -> Result<KsmdCounters, KsmdError> {
+    let get = |name: &str| read_number(&root.join(name));
+    Ok(KsmdCounters {
+        pages_shared: get("pages_shared")?,
+        pages_sharing: get("pages_sharing")?,
+        pages_unshared: get("pages_unshared")?,
+        pages_volatile: get("pages_volatile")?,
+        full_scans: get("full_scans")?,
+    })
+}
+
+fn read_settings(root: &Path) -> Result<KsmdSettings, KsmdError> {
+    if !root.join("run").exists() {
+        return Err(KsmdError::Absent(root.into()));
+    }
+    Ok(KsmdSettings {
+        run: read_number(&root.join("run"))?,
+        pages_to_scan: read_number(&root.join("pages_to_scan"))?,
+        sleep_millisecs: read_number(&root.join("sleep_millisecs"))?,
+    })
+}
+
+fn write_settings(root: &Path, s: KsmdSettings) -> Result<(), KsmdError> {
+    // run last on the way in: ksmd starts with the new pace, not the old one.
+    write_number(&root.join("pages_to_scan"), s.pages_to_scan)?;
+    write_number(&root.join("sleep_millisecs"), s.sleep_millisecs)?;
+    write_number(&root.join("run"), s.run.min(1))
+}
+
+/// ksmd's settings, owned: set on [`KsmdOwner::take`], restored on drop.
+#[derive(Debug)]
+pub struct KsmdOwner {
+    root: PathBuf,
+    saved: KsmdSettings,
+    current: KsmdSettings,
+    restored: bool,
+}
+
+impl KsmdOwner {
+    /// Saves ksmd's settings under `root` and applies `wanted`.
+    pub fn take(root: &Path, wanted: KsmdSettings) -> Result<Self, KsmdError> {
+        let saved = read_settings(root)?;
+        let mut owner = KsmdOwner { root: root.into(), saved, current: saved, restored: false };
+        owner.set(wanted)?;
+        Ok(owner)
+    }
+
+    /// The settings found when rksm took over.
+    pub fn saved(&self) -> KsmdSettings {
+        self.saved
+    }
+
+    /// The settings in force.
+    pub fn current(&self) -> KsmdSettings {
+        self.current
+    }
+
+    /// Applies new settings (while owned).
+    pub fn set(&mut self, wanted: KsmdSettings) -> Result<(), KsmdError> {
+        if wanted != self.current {
+            write_settings(&self.root, wanted)?;
+            self.current = wanted;
+        }
+        Ok(())
+    }
+
+    /// Puts back the settings found at [`KsmdOwner::take`].
+    pub fn restore(mut self) -> Result<(), KsmdError> {
+        self.restore_now()
+    }
+
+    fn restore_now(&mut self) -> Result<(), KsmdError> {
+        if self.restored {
+            return Ok(());
+        }
+        self.restored = true;
+        write_settings(&self.root, self.saved)
+    }
+}
+
+impl Drop for KsmdOwner {
+    fn drop(&mut self) {
+        if let Err(e) = self.restore_now() {
+            log::error!("restoring ksmd's settings: {e}");
+        }
+    }
+}
+
+/// How fast ksmd should go to sweep `marked_pages` in about `sweep_secs`, waking every
+/// `sleep_millisecs`: at least 100 pages per wake-up (ksmd's default), at most 100,000.
+pub fn pace(marked_pages: u64, sweep_secs: f64, sleep_millisecs: u64) -> KsmdSettings {
+    let wakeups = (sweep_secs * 1000.0 / sleep_millisecs.max(1) as f64).max(1.0);
+    let pages_to_scan = ((marked_pages as f64 / wakeups).ceil() as u64).clamp(100, 100_000);
+    KsmdSettings { run: 1, pages_to_scan, sleep_millisecs }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fake_sysfs(run: u64, pages: u64, sleep: u64) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("rksm-ksm-{}-{run}-{pages}-{sleep}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        for (name, value) in [("run", run), ("pages_to_scan", pages), ("sleep_millisecs", sleep)] {
+            fs::write(dir.join(name), format!("{value}\n")).unwrap();
+        }
+        dir
+    }
+
+    fn on_disk(dir: &Path) -> KsmdSettings {
+        read_settings(dir).unwrap()
+    }
+
+    #[test]
+    fn settings_are_applied_then_restored_exactly() {
+        let dir = fake_sysfs(0, 100, 20);
+        let wanted = KsmdSettings { run: 1, pages_to_scan: 5000, sleep_millisecs: 10 };
+        let owner = KsmdOwner::take(&dir, wanted).unwrap();
+        assert_eq!(on_disk(&dir), wanted);
+        assert_eq!(owner.saved(), KsmdSettings { run: 0, pages_to_scan: 100, sleep_millisecs: 20 });
+        owner.restore().unwrap();
+        assert_eq!(on_disk(&dir), KsmdSettings { run: 0, pages_to_scan: 100, sleep_millisecs: 20 });
+        fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn dropping_the_owner_restores_too() {
+        let dir = fake_sysfs(1, 1234, 50);
+        {
+            let mut owner = KsmdOwner::take(&dir, pace(10_000, 1.0, 20)).unwrap();
+            owner.set(KsmdSettings { run: 1, pages_to_scan: 777, sleep_millisecs: 20 }).unwrap();
+            assert_eq!(on_disk(&dir).pages_to_scan, 777);
+        }
+        assert_eq!(on_disk(&dir), KsmdSettings { run: 1, pages_to_scan: 1234, sleep_millisecs: 50 });
+        fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn run_2_is_never_written() {
+        let dir = fake_sysfs(0, 100, 20);
+        let owner = KsmdOwner::take(&dir, KsmdSettings { run: 2, pages_to_scan: 100, sleep_millisecs: 20 }).unwrap();
+        assert_eq!(on_disk(&dir).run, 1);
+        drop(owner);
+        fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn absent_ksm_is_a_clear_error() {
+        let err = KsmdOwner::take(Path::new("/nonexistent/ksm"), pace(1, 1.0, 20)).unwrap_err();
+        assert!(err.to_string().contains("KSM is not available"), "{err}");
+    }
+
+    #[test]
+    fn pace_sweeps_the_marked_set_in_time() {
+        assert_eq!(pace(0, 1.0, 20).pages_to_scan, 100);
+        assert_eq!(pace(100_000, 1.0, 20).pages_to_scan, 2000);
+        assert_eq!(pace(u64::MAX / 2, 1.0, 20).pages_to_scan, 100_000);
+    }
+}

@@ -1,0 +1,290 @@
+//! The merge executor: turns verified duplicates into `MADV_MERGEABLE` runs inside targets.
+//!
+//! No system call merges two given pages, so rksm marks exactly the verified duplicates (both
+//! the kept copy and the copies) mergeable from inside each target (see [`crate::remote`]),
+//! and ksmd, which only ever sees the marked set, does the merging. Marking is per VMA range,
+//! and every marked range can split a VMA in three, so marking page by page could push a
+//! process towards `vm.max_map_count` (65530 by default) and make its next mmap fail. The
+//! policy: nearby pages are coalesced into runs (gaps of up to [`MergePolicy::max_gap_pages`]
+//! unmarked pages are marked too: ksmd then finds them unique, which costs it a look, not a
+//! wrong merge); if a process would still get more than its budget of runs in one pass, the
+//! gap is doubled until it does not; and the budget never lets rksm's splits take a process
+//! past half of `vm.max_map_count`. Ranges marked once are remembered and not marked again.
+
+use std::collections::HashMap;
+
+use rksm_common::PAGE_SIZE;
+
+use crate::{
+    procfs::Vma,
+    remote::{nr, RemoteError, RemoteSession},
+    targets::Process,
+};
+
+const MADV_MERGEABLE: u64 = 12;
+const MADV_UNMERGEABLE: u64 = 13;
+
+/// A range of whole pages, `start..end`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Run {
+    /// First address.
+    pub start: u64,
+    /// One past the last address.
+    pub end: u64,
+}
+
+impl Run {
+    /// Pages in the run.
+    pub fn pages(&self) -> u64 {
+        (self.end - self.start) / PAGE_SIZE
+    }
+}
+
+/// How marking is bounded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MergePolicy {
+    /// Unmarked pages allowed inside a run before it is split in two.
+    pub max_gap_pages: u64,
+    /// New runs per process per pass, at most.
+    pub max_new_runs: usize,
+    /// `vm.max_map_count`; rksm's splits never take a process past half of it.
+    pub max_map_count: u64,
+}
+
+impl Default for MergePolicy {
+    fn default() -> Self {
+        MergePolicy {
+            max_gap_pages: 8,
+            max_new_runs: 256,
+            max_map_count: std::fs::read_to_string("/proc/sys/vm/max_map_count")
+                .ok()
+                .and_then(|s| s.trim().parse().ok())
+                .unwrap_or(65530),
+        }
+    }
+}
+
+/// Coalesces `pages` (page addresses, any order) into runs inside their VMAs, at most
+/// `max_runs` of them, with gaps of at most `max_gap_pages` unless more are needed to stay
+/// within `max_runs`.
+///
+/// ```
+/// use rksm::{merge::{coalesce, Run}, procfs::Vma};
+/// let vma = Vma { start: 0x10000, end: 0x20000, perms: *b"rw-p", inode: 0, name: String::new() };
+/// let runs = coalesce(&[0x10000, 0x11000, 0x14000, 0x1f000], &[vma], 1, 10);
+/// assert_eq!(runs, [Run { start: 0x10000, end: 0x12000 }, Run { start: 0x14000, end: 0x15000 }, Run { start: 0x1f000, end: 0x20000 }]);
+/// ```
+pub fn coalesce(pages: &[u64], vmas: &[Vma], max_gap_pages: u64, max_runs: usize) -> Vec<Run> {
+    let mut sorted = pages.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let mut gap = max_gap_pages;
+    loop {
+        let runs = coalesce_with_gap(&sorted, vmas, gap);
+        if runs.len() <= max_runs || gap > (1 << 40) {
+            return runs;
+        }
+        gap = (gap * 2).max(1);
+    }
+}
+
+fn coalesce_with_gap(sorted: &[u64], vmas: &[Vma], gap_pages: u64) -> Vec<Run> {
+    let mut runs: Vec<Run> = Vec::new();
+    let vma_of = |addr: u64| vmas.iter().position(|v| v.start <= addr && addr < v.end);
+    let mut last_vma = None;
+    for &page in sorted {
+        let Some(vma) = vma_of(page) else { continue };
+        match runs.last_mut() {
+            Some(run) if last_vma == Some(vma) && page <= run.end + gap_pages * PAGE_SIZE => {
+                run.end = page + PAGE_SIZE;
+            }
+            _ => runs.push(Run { start: page, end: page + PAGE_SIZE }),
+        }
+        last_vma = Some(vma);
+    }
+    runs
+}
+
+/// Removes from `runs` what is already covered by `marked` (both sorted, non-overlapping).
+fn subtract(runs: &[Run], marked: &[Run]) -> Vec<Run> {
+    let mut out = Vec::new();
+    for run in runs {
+        let mut start = run.start;
+        for m in marked.iter().filter(|m| m.end > run.start && m.start < run.end) {
+            if m.start > start {
+                out.push(Run { start, end: m.start });
+            }
+            start = start.max(m.end);
+        }
+        if start < run.end {
+            out.push(Run { start, end: run.end });
+        }
+    }
+    out
+}
+
+/// Adds `new` to the sorted, merged set `marked`.
+fn union(marked: &mut Vec<Run>, new: &[Run]) {
+    marked.extend_from_slice(new);
+    marked.sort_unstable();
+    let mut merged: Vec<Run> = Vec::with_capacity(marked.len());
+    for run in marked.drain(..) {
+        match merged.last_mut() {
+            Some(last) if run.start <= last.end => last.end = last.end.max(run.end),
+            _ => merged.push(run),
+        }
+    }
+    *marked = merged;
+}
+
+/// What marking did in one process.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MarkOutcome {
+    /// Runs the kernel accepted.
+    pub runs: u64,
+    /// Pages in them.
+    pub pages: u64,
+    /// System calls made inside the target.
+    pub remote_syscalls: u64,
+}
+
+/// Remembers what is marked in each process and marks more.
+#[derive(Debug, Default)]
+pub struct Marker {
+    policy: MergePolicy,
+    marked: HashMap<u32, Vec<Run>>,
+}
+
+impl Marker {
+    /// A marker following `policy`.
+    pub fn new(policy: MergePolicy) -> Self {
+        Marker { policy, marked: HashMap::new() }
+    }
+
+    /// The runs to mark in `pid` for `pages`, leaving out what is marked already, within the
+    /// process's budget; `vma_count` is how many VMAs it has in all.
+    pub fn plan(&self, pid: u32, pages: &[u64], vmas: &[Vma], vma_count: usize) -> Vec<Run> {
+        let budget = (self.policy.max_map_count / 2).saturating_sub(vma_count as u64) / 2;
+        let max_runs = self.policy.max_new_runs.min(budget as usize);
+        if max_runs == 0 {
+            log::warn!("pid {pid} has {vma_count} VMAs; not splitting more of them");
+            return Vec::new();
+        }
+        let runs = coalesce(pages, vmas, self.policy.max_gap_pages, max_runs);
+        subtract(&runs, self.marked.get(&pid).map_or(&[][..], Vec::as_slice))
+    }
+
+    /// Marks `runs` mergeable inside `process`, in one stop of one thread.
+    pub fn mark(&mut self, process: &Process, runs: &[Run]) -> Result<MarkOutcome, RemoteError> {
+        self.advise(process, runs, MADV_MERGEABLE)
+    }
+
+    /// Marks `runs` unmergeable again (ksmd unmerges what it merged there).
+    pub fn unmark(&mut self, process: &Process, runs: &[Run]) -> Result<MarkOutcome, RemoteError> {
+        self.advise(process, runs, MADV_UNMERGEABLE)
+    }
+
+    fn advise(&mut self, process: &Process, runs: &[Run], advice: u64) -> Result<MarkOutcome, RemoteError> {
+        let mut outcome = MarkOutcome::default();
+        if runs.is_empty() {
+            return Ok(outcome);
+        }
+        let mut session = RemoteSession::begin(process)?;
+        let mut done = Vec::with_capacity(runs.len());
+        for run in runs {
+            let result = session.syscall(nr::MADVISE, &[run.start, run.end - run.start, advice])?;
+            if result == 0 {
+                done.push(*run);
+                outcome.runs += 1;
+                outcome.pages += run.pages();
+            } else {
+                // The range changed since the scan (unmapped, remapped): skip it.
+                log::debug!("pid {}: madvise({:#x}, {}) returned {result}", process.pid(), run.start, run.end - run.start);
+            }
+        }
+        outcome.remote_syscalls = session.finish()?;
+        let marked = self.marked.entry(process.pid()).or_default();
+        if advice == MADV_MERGEABLE {
+            union(marked, &done);
+        } else {
+            *marked = subtract(marked, &done);
+        }
+        Ok(outcome)
+    }
+
+    /// The runs marked in `pid` that overlap `start..end`.
+    pub fn marked_within(&self, pid: u32, start: u64, end: u64) -> Vec<Run> {
+        self.marked
+            .get(&pid)
+            .map(|runs| runs.iter().filter(|r| r.end > start && r.start < end).copied().collect())
+            .unwrap_or_default()
+    }
+
+    /// Pages marked in `pid`.
+    pub fn marked_pages(&self, pid: u32) -> u64 {
+        self.marked.get(&pid).map_or(0, |runs| runs.iter().map(Run::pages).sum())
+    }
+
+    /// Forgets `pid` (it exited).
+    pub fn forget(&mut self, pid: u32) {
+        self.marked.remove(&pid);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const P: u64 = PAGE_SIZE;
+
+    fn vma(start: u64, end: u64) -> Vma {
+        Vma { start, end, perms: *b"rw-p", inode: 0, name: String::new() }
+    }
+
+    #[test]
+    fn runs_never_cross_vmas() {
+        let vmas = [vma(0, 4 * P), vma(4 * P, 8 * P)];
+        let runs = coalesce(&[2 * P, 3 * P, 4 * P, 5 * P], &vmas, 100, 10);
+        assert_eq!(runs, [Run { start: 2 * P, end: 4 * P }, Run { start: 4 * P, end: 6 * P }]);
+    }
+
+    #[test]
+    fn pages_outside_every_vma_are_dropped() {
+        assert_eq!(coalesce(&[100 * P], &[vma(0, 4 * P)], 1, 10), []);
+    }
+
+    #[test]
+    fn the_gap_widens_until_the_budget_holds() {
+        let pages: Vec<u64> = (0..100).map(|i| i * 4 * P).collect();
+        let vmas = [vma(0, 400 * P)];
+        assert_eq!(coalesce(&pages, &vmas, 2, 1000).len(), 100, "gap 2 keeps every page apart");
+        let runs = coalesce(&pages, &vmas, 2, 10);
+        assert!(runs.len() <= 10, "{runs:?}");
+        let covered: u64 = runs.iter().map(Run::pages).sum();
+        assert!(covered >= 100 && covered <= 397);
+        assert!(pages.iter().all(|&p| runs.iter().any(|r| r.start <= p && p < r.end)), "a page was lost");
+    }
+
+    #[test]
+    fn marked_ranges_are_not_marked_again() {
+        let marked = [Run { start: 2 * P, end: 4 * P }, Run { start: 6 * P, end: 7 * P }];
+        let runs = [Run { start: 0, end: 10 * P }];
+        assert_eq!(
+            subtract(&runs, &marked),
+            [Run { start: 0, end: 2 * P }, Run { start: 4 * P, end: 6 * P }, Run { start: 7 * P, end: 10 * P }]
+        );
+        let mut set = marked.to_vec();
+        union(&mut set, &[Run { start: 4 * P, end: 6 * P }]);
+        assert_eq!(set, [Run { start: 2 * P, end: 7 * P }]);
+    }
+
+    #[test]
+    fn a_crowded_process_gets_no_new_runs() {
+        let marker = Marker::new(MergePolicy { max_gap_pages: 0, max_new_runs: 100, max_map_count: 1000 });
+        let vmas = [vma(0, 100 * P)];
+        let pages: Vec<u64> = (0..50).map(|i| i * 2 * P).collect();
+        assert_eq!(marker.plan(1, &pages, &vmas, 499).len(), 0, "at half of max_map_count");
+        let runs = marker.plan(1, &pages, &vmas, 480);
+        assert!((1..=10).contains(&runs.len()), "(500 - 480) / 2 runs left: {runs:?}");
+    }
+}
