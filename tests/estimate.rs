@@ -23,6 +23,7 @@ fn scanner_over(ranges: &[(u32, Region, u64)], checksum: ChecksumKind) -> Scanne
         ScanConfig {
             checksum,
             only_ranges,
+            collect_merge_candidates: false,
         },
         Box::new(HashOnly),
     )

@@ -128,45 +128,88 @@ impl Armed {
         let flags = libc::O_CLOEXEC as u64 | libc::O_NONBLOCK as u64 | UFFD_USER_MODE_ONLY;
         let remote_fd = session.syscall(nr::USERFAULTFD, &[flags])?;
         if remote_fd < 0 {
-            return Err(ArmError::Create { pid, errno: remote_fd });
+            return Err(ArmError::Create {
+                pid,
+                errno: remote_fd,
+            });
         }
         // SAFETY: pidfd_getfd takes a pidfd we own, a fd number and flags; it returns a new fd.
-        let local = unsafe { libc::syscall(libc::SYS_pidfd_getfd, process.pidfd().as_raw_fd(), remote_fd as i32, 0) };
+        let local = unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_getfd,
+                process.pidfd().as_raw_fd(),
+                remote_fd as i32,
+                0,
+            )
+        };
         let taken = io::Error::last_os_error();
         // The target's copy goes whatever happened: it must not keep an extra fd.
         let closed = session.syscall(nr::CLOSE, &[remote_fd as u64])?;
         if local < 0 {
-            return Err(ArmError::Io { pid, what: "pidfd_getfd", source: taken });
+            return Err(ArmError::Io {
+                pid,
+                what: "pidfd_getfd",
+                source: taken,
+            });
         }
         // SAFETY: the kernel just gave us this fd and nothing else owns it.
         let uffd = unsafe { OwnedFd::from_raw_fd(local as i32) };
         if closed != 0 {
             log::warn!("pid {pid}: closing its userfaultfd copy returned {closed}");
         }
-        let mut api = UffdioApi { api: UFFD_API, features: UFFD_FEATURE_WP_ASYNC | UFFD_FEATURE_WP_UNPOPULATED, ioctls: 0 };
+        let mut api = UffdioApi {
+            api: UFFD_API,
+            features: UFFD_FEATURE_WP_ASYNC | UFFD_FEATURE_WP_UNPOPULATED,
+            ioctls: 0,
+        };
         // SAFETY: a valid uffd and a properly laid out uffdio_api.
-        unsafe { uffdio_api(uffd.as_raw_fd(), &mut api) }
-            .map_err(|e| ArmError::Io { pid, what: "UFFDIO_API (WP_ASYNC needs Linux 6.7)", source: e.into() })?;
-        let pagemap = File::open(format!("/proc/{pid}/pagemap"))
-            .map_err(|source| ArmError::Io { pid, what: "opening pagemap", source })?;
-        Ok(Armed { pid, uffd, pagemap, registered: Vec::new(), refused: Vec::new() })
+        unsafe { uffdio_api(uffd.as_raw_fd(), &mut api) }.map_err(|e| ArmError::Io {
+            pid,
+            what: "UFFDIO_API (WP_ASYNC needs Linux 6.7)",
+            source: e.into(),
+        })?;
+        let pagemap =
+            File::open(format!("/proc/{pid}/pagemap")).map_err(|source| ArmError::Io {
+                pid,
+                what: "opening pagemap",
+                source,
+            })?;
+        Ok(Armed {
+            pid,
+            uffd,
+            pagemap,
+            registered: Vec::new(),
+            refused: Vec::new(),
+        })
     }
 
     /// Registers the VMAs not registered yet and forgets ranges that are no longer VMAs.
     pub fn register(&mut self, vmas: &[Vma]) {
-        self.registered.retain(|&(s, e)| vmas.iter().any(|v| v.start == s && v.end == e));
-        self.refused.retain(|&(s, e)| vmas.iter().any(|v| v.start == s && v.end == e));
+        self.registered
+            .retain(|&(s, e)| vmas.iter().any(|v| v.start == s && v.end == e));
+        self.refused
+            .retain(|&(s, e)| vmas.iter().any(|v| v.start == s && v.end == e));
         for vma in vmas {
             let range = (vma.start, vma.end);
             if self.registered.contains(&range) || self.refused.contains(&range) {
                 continue;
             }
-            let mut reg = UffdioRegister { start: vma.start, len: vma.end - vma.start, mode: UFFDIO_REGISTER_MODE_WP, ioctls: 0 };
+            let mut reg = UffdioRegister {
+                start: vma.start,
+                len: vma.end - vma.start,
+                mode: UFFDIO_REGISTER_MODE_WP,
+                ioctls: 0,
+            };
             // SAFETY: a valid uffd and a properly laid out uffdio_register.
             match unsafe { uffdio_register(self.uffd.as_raw_fd(), &mut reg) } {
                 Ok(_) => self.registered.push(range),
                 Err(errno) => {
-                    log::debug!("pid {}: cannot arm {:#x}-{:#x}: {errno}", self.pid, vma.start, vma.end);
+                    log::debug!(
+                        "pid {}: cannot arm {:#x}-{:#x}: {errno}",
+                        self.pid,
+                        vma.start,
+                        vma.end
+                    );
                     self.refused.push(range);
                 }
             }
@@ -208,10 +251,17 @@ impl Armed {
                             written.extend((region.start..region.end).step_by(PAGE_SIZE as usize));
                         }
                         // The walk stops early when the vector is full; go on from there.
-                        from = if arg.walk_end > from { arg.walk_end } else { end };
+                        from = if arg.walk_end > from {
+                            arg.walk_end
+                        } else {
+                            end
+                        };
                     }
                     Err(errno) => {
-                        log::debug!("pid {}: PAGEMAP_SCAN {start:#x}-{end:#x}: {errno}", self.pid);
+                        log::debug!(
+                            "pid {}: PAGEMAP_SCAN {start:#x}-{end:#x}: {errno}",
+                            self.pid
+                        );
                         failed.push((start, end));
                         break;
                     }

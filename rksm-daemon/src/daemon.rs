@@ -156,9 +156,17 @@ pub const LOCK_PATH: &str = "/run/rksm/daemon.lock";
 fn lock() -> Result<std::fs::File, DaemonError> {
     use std::os::fd::AsRawFd;
     let path = PathBuf::from(LOCK_PATH);
-    let lock_err = |source| DaemonError::Lock { path: path.clone(), source };
+    let lock_err = |source| DaemonError::Lock {
+        path: path.clone(),
+        source,
+    };
     std::fs::create_dir_all("/run/rksm").map_err(lock_err)?;
-    let file = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path).map_err(lock_err)?;
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(lock_err)?;
     // SAFETY: flock on an fd we own.
     if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
         return Err(DaemonError::Busy(path));
@@ -246,7 +254,10 @@ const MAX_BACKOFF_PASSES: u64 = 256;
 impl Backoff {
     /// Puts `region` of `pid` in backoff from pass `now`; returns true if it was not already.
     fn hit(&mut self, pid: u32, region: u64, now: u64) -> bool {
-        let entry = self.regions.entry((pid, region)).or_insert((0, FIRST_BACKOFF_PASSES / 2));
+        let entry = self
+            .regions
+            .entry((pid, region))
+            .or_insert((0, FIRST_BACKOFF_PASSES / 2));
         let fresh = entry.0 <= now;
         if fresh {
             entry.1 = (entry.1 * 2).min(MAX_BACKOFF_PASSES);
@@ -256,11 +267,16 @@ impl Backoff {
     }
 
     fn blocks(&self, pid: u32, page: u64, now: u64) -> bool {
-        self.regions.get(&(pid, page >> REGION_SHIFT)).is_some_and(|&(until, _)| until > now)
+        self.regions
+            .get(&(pid, page >> REGION_SHIFT))
+            .is_some_and(|&(until, _)| until > now)
     }
 
     fn active(&self, now: u64) -> u64 {
-        self.regions.values().filter(|&&(until, _)| until > now).count() as u64
+        self.regions
+            .values()
+            .filter(|&&(until, _)| until > now)
+            .count() as u64
     }
 
     fn forget(&mut self, pid: u32) {
@@ -288,8 +304,8 @@ pub struct Daemon {
 impl Daemon {
     /// Resolves the targets, picks the dirty mode, and takes ksmd over.
     pub fn start(config: DaemonConfig) -> Result<Daemon, DaemonError> {
-        let lock = lock()?;
         let selection = config.targets.resolve()?;
+        let lock = lock()?;
         let tracer = match Tracer::load(TracerConfig::default()) {
             Ok(tracer) => Some(tracer),
             Err(e) if config.dirty == DirtyMode::Ebpf => return Err(e.into()),
@@ -302,18 +318,33 @@ impl Daemon {
         let (mode, dirty): (DirtyMode, Box<dyn DirtySource>) = match (config.dirty, &hub) {
             (DirtyMode::HashOnly, _) => (DirtyMode::HashOnly, Box::new(HashOnly)),
             (DirtyMode::Pagemap, _) => (DirtyMode::Pagemap, Box::new(PagemapSource::default())),
-            (DirtyMode::Ebpf | DirtyMode::Auto, Some(hub)) => (DirtyMode::Ebpf, Box::new(EbpfSource::new(hub.clone()))),
-            (DirtyMode::Auto, None) if write_protect_works() => (DirtyMode::Pagemap, Box::new(PagemapSource::default())),
+            (DirtyMode::Ebpf | DirtyMode::Auto, Some(hub)) => {
+                (DirtyMode::Ebpf, Box::new(EbpfSource::new(hub.clone())))
+            }
+            (DirtyMode::Auto, None) if write_protect_works() => {
+                (DirtyMode::Pagemap, Box::new(PagemapSource::default()))
+            }
             (DirtyMode::Ebpf | DirtyMode::Auto, None) => (DirtyMode::HashOnly, Box::new(HashOnly)),
         };
         if config.dirty == DirtyMode::Auto {
             log::info!("dirty mode: {mode} (chosen automatically)");
         }
         let scanner = Scanner::new(
-            ScanConfig { checksum: config.checksum, only_ranges: config.only_ranges.clone(), collect_merge_candidates: true },
+            ScanConfig {
+                checksum: config.checksum,
+                only_ranges: config.only_ranges.clone(),
+                collect_merge_candidates: true,
+            },
             dirty,
         )?;
-        let ksmd = KsmdOwner::take(&config.ksm_root, ksmd::pace(0, config.ksmd_sweep.as_secs_f64(), config.ksmd_sleep_millisecs))?;
+        let ksmd = KsmdOwner::take(
+            &config.ksm_root,
+            ksmd::pace(
+                0,
+                config.ksmd_sweep.as_secs_f64(),
+                config.ksmd_sleep_millisecs,
+            ),
+        )?;
         let mut daemon = Daemon {
             marker: Marker::new(config.policy),
             config,
@@ -324,7 +355,10 @@ impl Daemon {
             refused: BTreeMap::new(),
             merged: HashMap::new(),
             backoff: Backoff::default(),
-            stats: DaemonStats { dirty_mode: mode.name().into(), ..DaemonStats::default() },
+            stats: DaemonStats {
+                dirty_mode: mode.name().into(),
+                ..DaemonStats::default()
+            },
             marking_syscalls: 0,
             _lock: lock,
         };
@@ -382,7 +416,12 @@ impl Daemon {
     /// Refreshes the targets: exited ones leave, new matches join, unborrowable ones are
     /// refused before anything is done to them.
     fn refresh_targets(&mut self) {
-        let exited: Vec<u32> = self.processes.iter().filter(|(_, p)| p.has_exited()).map(|(&pid, _)| pid).collect();
+        let exited: Vec<u32> = self
+            .processes
+            .iter()
+            .filter(|(_, p)| p.has_exited())
+            .map(|(&pid, _)| pid)
+            .collect();
         for pid in exited {
             log::info!("pid {pid} exited");
             self.drop_target(pid);
@@ -404,7 +443,8 @@ impl Daemon {
                 self.refuse(pid, reason.as_str(), &reason);
             }
         }
-        self.refused.retain(|pid, _| std::path::Path::new(&format!("/proc/{pid}")).exists());
+        self.refused
+            .retain(|pid, _| std::path::Path::new(&format!("/proc/{pid}")).exists());
     }
 
     /// Runs one pass.
@@ -442,25 +482,42 @@ impl Daemon {
                 None => HashSet::new(),
             };
             if let Some(merged) = self.merged.get(&p.pid) {
-                let broken: Vec<u64> = written.iter().copied().filter(|page| merged.contains(page)).collect();
+                let broken: Vec<u64> = written
+                    .iter()
+                    .copied()
+                    .filter(|page| merged.contains(page))
+                    .collect();
                 breaks += broken.len() as u64;
-                let regions: HashSet<u64> = broken.iter().map(|page| page >> REGION_SHIFT).collect();
+                let regions: HashSet<u64> =
+                    broken.iter().map(|page| page >> REGION_SHIFT).collect();
                 for region in regions {
                     if self.backoff.hit(p.pid, region, now) {
                         backed_off.push((p.pid, region));
                     }
                 }
             }
-            let merged_now: HashSet<u64> = report.ksm_pages.get(&p.pid).map(|v| v.iter().copied().collect()).unwrap_or_default();
+            let merged_now: HashSet<u64> = report
+                .ksm_pages
+                .get(&p.pid)
+                .map(|v| v.iter().copied().collect())
+                .unwrap_or_default();
             self.merged.insert(p.pid, merged_now);
         }
         // Backing off unmarks the region, so ksmd stops merging pages that do not stay merged.
         for (pid, region) in backed_off {
             let (start, end) = (region << REGION_SHIFT, (region + 1) << REGION_SHIFT);
             let runs = self.marker.marked_within(pid, start, end);
-            let clipped: Vec<Run> = runs.iter().map(|r| Run { start: r.start.max(start), end: r.end.min(end) }).collect();
+            let clipped: Vec<Run> = runs
+                .iter()
+                .map(|r| Run {
+                    start: r.start.max(start),
+                    end: r.end.min(end),
+                })
+                .collect();
             if let Some(process) = self.processes.get(&pid) {
-                log::info!("pid {pid}: merged pages in {start:#x}-{end:#x} keep breaking; backing off");
+                log::info!(
+                    "pid {pid}: merged pages in {start:#x}-{end:#x} keep breaking; backing off"
+                );
                 match self.marker.unmark(process, &clipped) {
                     Ok(outcome) => self.marking_syscalls += outcome.remote_syscalls,
                     Err(e) => log::warn!("pid {pid}: unmarking a backed-off region: {e}"),
@@ -476,9 +533,17 @@ impl Daemon {
         let mut runs_marked = 0;
         let mut refusals = Vec::new();
         for (&pid, pages) in &report.merge_candidates {
-            let Some(process) = self.processes.get(&pid) else { continue };
-            let Some((vmas, vma_count)) = report.vmas.get(&pid) else { continue };
-            let pages: Vec<u64> = pages.iter().copied().filter(|&p| !self.backoff.blocks(pid, p, now)).collect();
+            let Some(process) = self.processes.get(&pid) else {
+                continue;
+            };
+            let Some((vmas, vma_count)) = report.vmas.get(&pid) else {
+                continue;
+            };
+            let pages: Vec<u64> = pages
+                .iter()
+                .copied()
+                .filter(|&p| !self.backoff.blocks(pid, p, now))
+                .collect();
             let runs = self.marker.plan(pid, &pages, vmas, *vma_count);
             match self.marker.mark(process, &runs) {
                 Ok(outcome) => {
@@ -507,18 +572,30 @@ impl Daemon {
         s.checksum_ns += report.total.checksum_ns;
         s.remote_syscalls = self.marking_syscalls + self.scanner.dirty_remote_syscalls();
         s.regions_backed_off = self.backoff.active(s.full_scans);
-        s.pages_marked = self.processes.keys().map(|&pid| self.marker.marked_pages(pid)).sum();
+        s.pages_marked = self
+            .processes
+            .keys()
+            .map(|&pid| self.marker.marked_pages(pid))
+            .sum();
         if let Ok(k) = ksmd::counters(&self.config.ksm_root) {
             s.pages_unshared = k.pages_unshared;
         }
         if let Some(hub) = &self.hub {
             let hub = hub.borrow();
-            let (faults, lost) = self.processes.keys().map(|&pid| hub.counters(pid)).fold((0, 0), |a, c| (a.0 + c.0, a.1 + c.1));
+            let (faults, lost) = self
+                .processes
+                .keys()
+                .map(|&pid| hub.counters(pid))
+                .fold((0, 0), |a, c| (a.0 + c.0, a.1 + c.1));
             s.write_faults = s.write_faults.max(faults);
             s.tracer_lost = s.tracer_lost.max(lost);
         }
         // Pace ksmd to sweep what is marked in about `ksmd_sweep`.
-        let pace = ksmd::pace(s.pages_marked, self.config.ksmd_sweep.as_secs_f64(), self.config.ksmd_sleep_millisecs);
+        let pace = ksmd::pace(
+            s.pages_marked,
+            self.config.ksmd_sweep.as_secs_f64(),
+            self.config.ksmd_sleep_millisecs,
+        );
         if let Err(e) = self.ksmd.set(pace) {
             log::warn!("pacing ksmd: {e}");
         }
@@ -532,16 +609,22 @@ impl Daemon {
             if left.is_zero() {
                 return true;
             }
-            let timeout = PollTimeout::try_from(left.min(Duration::from_secs(1))).unwrap_or(PollTimeout::MAX);
+            let timeout =
+                PollTimeout::try_from(left.min(Duration::from_secs(1))).unwrap_or(PollTimeout::MAX);
             let hub = self.hub.clone();
             let hub_ref = hub.as_ref().map(|h| h.borrow());
             let records = hub_ref.as_ref().map(|h| h.tracer().records_fd());
-            let mut fds: Vec<PollFd<'_>> = interrupts.iter().map(|&fd| PollFd::new(fd, PollFlags::POLLIN)).collect();
+            let mut fds: Vec<PollFd<'_>> = interrupts
+                .iter()
+                .map(|&fd| PollFd::new(fd, PollFlags::POLLIN))
+                .collect();
             if let Some(fd) = records {
                 fds.push(PollFd::new(fd, PollFlags::POLLIN));
             }
             let _ = poll(&mut fds, timeout);
-            let interrupted = fds[..interrupts.len()].iter().any(|fd| fd.revents().is_some_and(|r| !r.is_empty()));
+            let interrupted = fds[..interrupts.len()]
+                .iter()
+                .any(|fd| fd.revents().is_some_and(|r| !r.is_empty()));
             drop(fds);
             drop(hub_ref);
             if let Some(h) = &hub {
@@ -578,7 +661,11 @@ fn write_protect_works() -> bool {
         features: u64,
         ioctls: u64,
     }
-    let mut api = Api { api: 0xAA, features: (1 << 13) | (1 << 15), ioctls: 0 };
+    let mut api = Api {
+        api: 0xAA,
+        features: (1 << 13) | (1 << 15),
+        ioctls: 0,
+    };
     // SAFETY: UFFDIO_API on the fd just created, with a correctly laid out argument.
     let ok = unsafe { libc::ioctl(fd as i32, 0xc018_aa3f, &mut api) } == 0;
     // SAFETY: closing the fd we created.
@@ -597,7 +684,12 @@ mod tests {
 
     #[test]
     fn dirty_modes_parse_and_print() {
-        for mode in [DirtyMode::Auto, DirtyMode::HashOnly, DirtyMode::Ebpf, DirtyMode::Pagemap] {
+        for mode in [
+            DirtyMode::Auto,
+            DirtyMode::HashOnly,
+            DirtyMode::Ebpf,
+            DirtyMode::Pagemap,
+        ] {
             assert_eq!(mode.name().parse::<DirtyMode>().unwrap(), mode);
         }
         let err = "soft-dirty".parse::<DirtyMode>().unwrap_err();
@@ -609,10 +701,16 @@ mod tests {
         let mut backoff = Backoff::default();
         assert!(backoff.hit(1, 7, 0));
         assert!(backoff.blocks(1, 7 << REGION_SHIFT, 3));
-        assert!(!backoff.blocks(1, 7 << REGION_SHIFT, 4), "first backoff is {FIRST_BACKOFF_PASSES} passes");
+        assert!(
+            !backoff.blocks(1, 7 << REGION_SHIFT, 4),
+            "first backoff is {FIRST_BACKOFF_PASSES} passes"
+        );
         assert!(!backoff.hit(1, 7, 2), "already backed off");
         assert!(backoff.hit(1, 7, 10));
-        assert!(backoff.blocks(1, 7 << REGION_SHIFT, 17), "second is twice as long");
+        assert!(
+            backoff.blocks(1, 7 << REGION_SHIFT, 17),
+            "second is twice as long"
+        );
         assert!(!backoff.blocks(1, 7 << REGION_SHIFT, 18));
         assert!(!backoff.blocks(2, 7 << REGION_SHIFT, 11), "per process");
         assert_eq!(backoff.active(11), 1);

@@ -96,6 +96,10 @@ impl DirtySource for HashOnly {
     fn forget(&mut self, _pid: u32) {}
 }
 
+/// What protecting one process found: the pages written since the previous protection, and
+/// the ranges that were under protection all along (only their clean pages can be trusted).
+pub type Protected = (HashSet<u64>, Vec<(u64, u64)>);
+
 /// Write-protect arming of every target, created on first use. A process whose arming
 /// failed (refused, no userfaultfd) is not tried again and is hashed in full.
 #[derive(Debug, Default)]
@@ -108,7 +112,7 @@ pub struct Arming {
 impl Arming {
     /// Arms `process` if it is not yet, registers new VMAs, write-protects, and returns the
     /// pages written since the previous call with the armed ranges; `None` if unarmed.
-    pub fn protect(&mut self, process: &Process, vmas: &[Vma]) -> Option<(HashSet<u64>, Vec<(u64, u64)>)> {
+    pub fn protect(&mut self, process: &Process, vmas: &[Vma]) -> Option<Protected> {
         let pid = process.pid();
         if !self.processes.contains_key(&pid) {
             let armed = RemoteSession::begin(process)
@@ -120,7 +124,9 @@ impl Arming {
                     armed
                 });
             if let Err(e) = &armed {
-                log::warn!("pid {pid} cannot be write-protected, hashing all its pages every pass: {e}");
+                log::warn!(
+                    "pid {pid} cannot be write-protected, hashing all its pages every pass: {e}"
+                );
             }
             self.processes.insert(pid, armed.ok());
         }
@@ -130,7 +136,10 @@ impl Arming {
         armed.register(vmas);
         let written = armed.protect();
         let still_armed = armed.armed_ranges();
-        let armed_ranges = trusted.into_iter().filter(|r| still_armed.contains(r)).collect();
+        let armed_ranges = trusted
+            .into_iter()
+            .filter(|r| still_armed.contains(r))
+            .collect();
         Some((written, armed_ranges))
     }
 
@@ -189,7 +198,12 @@ pub struct TracedWrites {
 impl TracerHub {
     /// Wraps a loaded tracer.
     pub fn new(tracer: Tracer) -> Rc<RefCell<TracerHub>> {
-        Rc::new(RefCell::new(TracerHub { tracer, log: WriteLog::default(), lost_seen: HashMap::new(), seen: HashMap::new() }))
+        Rc::new(RefCell::new(TracerHub {
+            tracer,
+            log: WriteLog::default(),
+            lost_seen: HashMap::new(),
+            seen: HashMap::new(),
+        }))
     }
 
     /// The tracer, to poll its fd.
@@ -234,10 +248,21 @@ impl TracerHub {
     pub fn take(&mut self, pid: u32) -> TracedWrites {
         self.drain();
         let pages = self.log.take(pid);
-        let lost_now = self.tracer.process_counters(pid).ok().flatten().map_or(0, |c| c.lost);
+        let lost_now = self
+            .tracer
+            .process_counters(pid)
+            .ok()
+            .flatten()
+            .map_or(0, |c| c.lost);
         let lost_before = self.lost_seen.insert(pid, lost_now).unwrap_or(0);
-        self.seen.entry(pid).or_default().extend(pages.iter().copied());
-        TracedWrites { pages, lost: lost_now > lost_before }
+        self.seen
+            .entry(pid)
+            .or_default()
+            .extend(pages.iter().copied());
+        TracedWrites {
+            pages,
+            lost: lost_now > lost_before,
+        }
     }
 
     /// Every page seen written by `pid` since the last call (takes pending records first).
@@ -248,7 +273,11 @@ impl TracerHub {
 
     /// Write faults and losses the program counted for `pid` since it was tracked.
     pub fn counters(&self, pid: u32) -> (u64, u64) {
-        self.tracer.process_counters(pid).ok().flatten().map_or((0, 0), |c| (c.write_faults, c.lost))
+        self.tracer
+            .process_counters(pid)
+            .ok()
+            .flatten()
+            .map_or((0, 0), |c| (c.write_faults, c.lost))
     }
 }
 
@@ -264,7 +293,11 @@ pub struct EbpfSource {
 impl EbpfSource {
     /// A source over a shared tracer.
     pub fn new(hub: Rc<RefCell<TracerHub>>) -> Self {
-        EbpfSource { hub, arming: Arming::default(), carried: HashMap::new() }
+        EbpfSource {
+            hub,
+            arming: Arming::default(),
+            carried: HashMap::new(),
+        }
     }
 }
 
@@ -313,21 +346,34 @@ mod tests {
     #[test]
     fn hash_only_marks_everything_dirty_every_time() {
         let mut source = HashOnly;
-        let child = std::process::Command::new("sleep").arg("10").spawn().unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("10")
+            .spawn()
+            .unwrap();
         let process = Process::open(child.id()).unwrap();
         for _ in 0..3 {
             let dirty = source.dirty_pages(&process, &[]).unwrap();
             assert!(dirty.contains(0x1000) && dirty.contains(0xdead_0000));
         }
         assert_eq!(source.mode(), "hash-only");
-        let _ = std::process::Command::new("kill").arg(child.id().to_string()).status();
+        child.kill().unwrap();
+        child.wait().unwrap();
     }
 
     #[test]
     fn only_the_written_pages_of_armed_ranges_are_clean_candidates() {
-        let dirty = DirtySet::Only { written: [0x1000, 0x3000].into_iter().collect(), armed: vec![(0x1000, 0x5000)] };
+        let dirty = DirtySet::Only {
+            written: [0x1000, 0x3000].into_iter().collect(),
+            armed: vec![(0x1000, 0x5000)],
+        };
         assert!(dirty.contains(0x1000) && dirty.contains(0x3000), "written");
-        assert!(!dirty.contains(0x2000) && !dirty.contains(0x4000), "armed and not written: clean");
-        assert!(dirty.contains(0x5000) && dirty.contains(0x0), "outside the armed ranges: not provably clean");
+        assert!(
+            !dirty.contains(0x2000) && !dirty.contains(0x4000),
+            "armed and not written: clean"
+        );
+        assert!(
+            dirty.contains(0x5000) && dirty.contains(0x0),
+            "outside the armed ranges: not provably clean"
+        );
     }
 }

@@ -210,7 +210,10 @@ impl ContentTree {
         let class = &mut self.classes[id as usize];
         class.copies += 1;
         let rep_pid = class.rep_pid;
-        let rep = PageRef { pid: rep_pid, addr: class.rep_addr };
+        let rep = PageRef {
+            pid: rep_pid,
+            addr: class.rep_addr,
+        };
         let holders = self.holders.entry(id).or_insert_with(|| vec![rep_pid]);
         if !holders.contains(&pid) {
             holders.push(pid);
@@ -398,7 +401,9 @@ impl Index {
                 Lookup::Missing => None,
             };
             return match self.stable.find(checksum, &mut under_test, src, hash) {
-                Lookup::Found(id) => Placement::Duplicate { of: self.stable.join(id, page.pid) },
+                Lookup::Found(id) => Placement::Duplicate {
+                    of: self.stable.join(id, page.pid),
+                },
                 Lookup::Vanished => Placement::Vanished,
                 Lookup::Missing => {
                     let zero = self.is_zero(checksum, &mut under_test, src);
@@ -411,7 +416,11 @@ impl Index {
             };
         }
         match self.stable.find(checksum, &mut under_test, src, hash) {
-            Lookup::Found(id) => return Placement::Duplicate { of: self.stable.join(id, page.pid) },
+            Lookup::Found(id) => {
+                return Placement::Duplicate {
+                    of: self.stable.join(id, page.pid),
+                }
+            }
             Lookup::Vanished => return Placement::Vanished,
             Lookup::Missing => {}
         }
@@ -419,7 +428,9 @@ impl Index {
             return Placement::Volatile;
         }
         match self.unstable.find(checksum, &mut under_test, src, hash) {
-            Lookup::Found(id) => Placement::Duplicate { of: self.unstable.join(id, page.pid) },
+            Lookup::Found(id) => Placement::Duplicate {
+                of: self.unstable.join(id, page.pid),
+            },
             Lookup::Vanished => Placement::Vanished,
             Lookup::Missing => {
                 let zero = self.is_zero(checksum, &mut under_test, src);

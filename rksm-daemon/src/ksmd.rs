@@ -61,12 +61,20 @@ pub struct KsmdCounters {
 }
 
 fn read_number(path: &Path) -> Result<u64, KsmdError> {
-    let text = fs::read_to_string(path).map_err(|source| KsmdError::Io { path: path.into(), source })?;
-    text.trim().parse().map_err(|_| KsmdError::Malformed(path.into()))
+    let text = fs::read_to_string(path).map_err(|source| KsmdError::Io {
+        path: path.into(),
+        source,
+    })?;
+    text.trim()
+        .parse()
+        .map_err(|_| KsmdError::Malformed(path.into()))
 }
 
 fn write_number(path: &Path, value: u64) -> Result<(), KsmdError> {
-    fs::write(path, value.to_string()).map_err(|source| KsmdError::Io { path: path.into(), source })
+    fs::write(path, value.to_string()).map_err(|source| KsmdError::Io {
+        path: path.into(),
+        source,
+    })
 }
 
 /// Reads ksmd's counters under `root` (normally [`KSM_SYSFS`]).
@@ -112,7 +120,12 @@ impl KsmdOwner {
     /// Saves ksmd's settings under `root` and applies `wanted`.
     pub fn take(root: &Path, wanted: KsmdSettings) -> Result<Self, KsmdError> {
         let saved = read_settings(root)?;
-        let mut owner = KsmdOwner { root: root.into(), saved, current: saved, restored: false };
+        let mut owner = KsmdOwner {
+            root: root.into(),
+            saved,
+            current: saved,
+            restored: false,
+        };
         owner.set(wanted)?;
         Ok(owner)
     }
@@ -163,17 +176,26 @@ impl Drop for KsmdOwner {
 pub fn pace(marked_pages: u64, sweep_secs: f64, sleep_millisecs: u64) -> KsmdSettings {
     let wakeups = (sweep_secs * 1000.0 / sleep_millisecs.max(1) as f64).max(1.0);
     let pages_to_scan = ((marked_pages as f64 / wakeups).ceil() as u64).clamp(100, 100_000);
-    KsmdSettings { run: 1, pages_to_scan, sleep_millisecs }
+    KsmdSettings {
+        run: 1,
+        pages_to_scan,
+        sleep_millisecs,
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn fake_sysfs(run: u64, pages: u64, sleep: u64) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("rksm-ksm-{}-{run}-{pages}-{sleep}", std::process::id()));
+    /// A directory that looks like /sys/kernel/mm/ksm, one per test.
+    fn fake_sysfs(test: &str, run: u64, pages: u64, sleep: u64) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("rksm-ksm-{}-{test}", std::process::id()));
         fs::create_dir_all(&dir).unwrap();
-        for (name, value) in [("run", run), ("pages_to_scan", pages), ("sleep_millisecs", sleep)] {
+        for (name, value) in [
+            ("run", run),
+            ("pages_to_scan", pages),
+            ("sleep_millisecs", sleep),
+        ] {
             fs::write(dir.join(name), format!("{value}\n")).unwrap();
         }
         dir
@@ -185,32 +207,71 @@ mod tests {
 
     #[test]
     fn settings_are_applied_then_restored_exactly() {
-        let dir = fake_sysfs(0, 100, 20);
-        let wanted = KsmdSettings { run: 1, pages_to_scan: 5000, sleep_millisecs: 10 };
+        let dir = fake_sysfs("applied", 0, 100, 20);
+        let wanted = KsmdSettings {
+            run: 1,
+            pages_to_scan: 5000,
+            sleep_millisecs: 10,
+        };
         let owner = KsmdOwner::take(&dir, wanted).unwrap();
         assert_eq!(on_disk(&dir), wanted);
-        assert_eq!(owner.saved(), KsmdSettings { run: 0, pages_to_scan: 100, sleep_millisecs: 20 });
+        assert_eq!(
+            owner.saved(),
+            KsmdSettings {
+                run: 0,
+                pages_to_scan: 100,
+                sleep_millisecs: 20
+            }
+        );
         owner.restore().unwrap();
-        assert_eq!(on_disk(&dir), KsmdSettings { run: 0, pages_to_scan: 100, sleep_millisecs: 20 });
+        assert_eq!(
+            on_disk(&dir),
+            KsmdSettings {
+                run: 0,
+                pages_to_scan: 100,
+                sleep_millisecs: 20
+            }
+        );
         fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]
     fn dropping_the_owner_restores_too() {
-        let dir = fake_sysfs(1, 1234, 50);
+        let dir = fake_sysfs("dropped", 1, 1234, 50);
         {
             let mut owner = KsmdOwner::take(&dir, pace(10_000, 1.0, 20)).unwrap();
-            owner.set(KsmdSettings { run: 1, pages_to_scan: 777, sleep_millisecs: 20 }).unwrap();
+            owner
+                .set(KsmdSettings {
+                    run: 1,
+                    pages_to_scan: 777,
+                    sleep_millisecs: 20,
+                })
+                .unwrap();
             assert_eq!(on_disk(&dir).pages_to_scan, 777);
         }
-        assert_eq!(on_disk(&dir), KsmdSettings { run: 1, pages_to_scan: 1234, sleep_millisecs: 50 });
+        assert_eq!(
+            on_disk(&dir),
+            KsmdSettings {
+                run: 1,
+                pages_to_scan: 1234,
+                sleep_millisecs: 50
+            }
+        );
         fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]
     fn run_2_is_never_written() {
-        let dir = fake_sysfs(0, 100, 20);
-        let owner = KsmdOwner::take(&dir, KsmdSettings { run: 2, pages_to_scan: 100, sleep_millisecs: 20 }).unwrap();
+        let dir = fake_sysfs("run2", 0, 100, 20);
+        let owner = KsmdOwner::take(
+            &dir,
+            KsmdSettings {
+                run: 2,
+                pages_to_scan: 100,
+                sleep_millisecs: 20,
+            },
+        )
+        .unwrap();
         assert_eq!(on_disk(&dir).run, 1);
         drop(owner);
         fs::remove_dir_all(dir).unwrap();

@@ -98,7 +98,10 @@ fn coalesce_with_gap(sorted: &[u64], vmas: &[Vma], gap_pages: u64) -> Vec<Run> {
             Some(run) if last_vma == Some(vma) && page <= run.end + gap_pages * PAGE_SIZE => {
                 run.end = page + PAGE_SIZE;
             }
-            _ => runs.push(Run { start: page, end: page + PAGE_SIZE }),
+            _ => runs.push(Run {
+                start: page,
+                end: page + PAGE_SIZE,
+            }),
         }
         last_vma = Some(vma);
     }
@@ -110,14 +113,23 @@ fn subtract(runs: &[Run], marked: &[Run]) -> Vec<Run> {
     let mut out = Vec::new();
     for run in runs {
         let mut start = run.start;
-        for m in marked.iter().filter(|m| m.end > run.start && m.start < run.end) {
+        for m in marked
+            .iter()
+            .filter(|m| m.end > run.start && m.start < run.end)
+        {
             if m.start > start {
-                out.push(Run { start, end: m.start });
+                out.push(Run {
+                    start,
+                    end: m.start,
+                });
             }
             start = start.max(m.end);
         }
         if start < run.end {
-            out.push(Run { start, end: run.end });
+            out.push(Run {
+                start,
+                end: run.end,
+            });
         }
     }
     out
@@ -158,7 +170,10 @@ pub struct Marker {
 impl Marker {
     /// A marker following `policy`.
     pub fn new(policy: MergePolicy) -> Self {
-        Marker { policy, marked: HashMap::new() }
+        Marker {
+            policy,
+            marked: HashMap::new(),
+        }
     }
 
     /// The runs to mark in `pid` for `pages`, leaving out what is marked already, within the
@@ -184,7 +199,12 @@ impl Marker {
         self.advise(process, runs, MADV_UNMERGEABLE)
     }
 
-    fn advise(&mut self, process: &Process, runs: &[Run], advice: u64) -> Result<MarkOutcome, RemoteError> {
+    fn advise(
+        &mut self,
+        process: &Process,
+        runs: &[Run],
+        advice: u64,
+    ) -> Result<MarkOutcome, RemoteError> {
         let mut outcome = MarkOutcome::default();
         if runs.is_empty() {
             return Ok(outcome);
@@ -199,7 +219,12 @@ impl Marker {
                 outcome.pages += run.pages();
             } else {
                 // The range changed since the scan (unmapped, remapped): skip it.
-                log::debug!("pid {}: madvise({:#x}, {}) returned {result}", process.pid(), run.start, run.end - run.start);
+                log::debug!(
+                    "pid {}: madvise({:#x}, {}) returned {result}",
+                    process.pid(),
+                    run.start,
+                    run.end - run.start
+                );
             }
         }
         outcome.remote_syscalls = session.finish()?;
@@ -216,13 +241,20 @@ impl Marker {
     pub fn marked_within(&self, pid: u32, start: u64, end: u64) -> Vec<Run> {
         self.marked
             .get(&pid)
-            .map(|runs| runs.iter().filter(|r| r.end > start && r.start < end).copied().collect())
+            .map(|runs| {
+                runs.iter()
+                    .filter(|r| r.end > start && r.start < end)
+                    .copied()
+                    .collect()
+            })
             .unwrap_or_default()
     }
 
     /// Pages marked in `pid`.
     pub fn marked_pages(&self, pid: u32) -> u64 {
-        self.marked.get(&pid).map_or(0, |runs| runs.iter().map(Run::pages).sum())
+        self.marked
+            .get(&pid)
+            .map_or(0, |runs| runs.iter().map(Run::pages).sum())
     }
 
     /// Forgets `pid` (it exited).
@@ -238,14 +270,32 @@ mod tests {
     const P: u64 = PAGE_SIZE;
 
     fn vma(start: u64, end: u64) -> Vma {
-        Vma { start, end, perms: *b"rw-p", inode: 0, name: String::new() }
+        Vma {
+            start,
+            end,
+            perms: *b"rw-p",
+            inode: 0,
+            name: String::new(),
+        }
     }
 
     #[test]
     fn runs_never_cross_vmas() {
         let vmas = [vma(0, 4 * P), vma(4 * P, 8 * P)];
         let runs = coalesce(&[2 * P, 3 * P, 4 * P, 5 * P], &vmas, 100, 10);
-        assert_eq!(runs, [Run { start: 2 * P, end: 4 * P }, Run { start: 4 * P, end: 6 * P }]);
+        assert_eq!(
+            runs,
+            [
+                Run {
+                    start: 2 * P,
+                    end: 4 * P
+                },
+                Run {
+                    start: 4 * P,
+                    end: 6 * P
+                }
+            ]
+        );
     }
 
     #[test]
@@ -257,34 +307,91 @@ mod tests {
     fn the_gap_widens_until_the_budget_holds() {
         let pages: Vec<u64> = (0..100).map(|i| i * 4 * P).collect();
         let vmas = [vma(0, 400 * P)];
-        assert_eq!(coalesce(&pages, &vmas, 2, 1000).len(), 100, "gap 2 keeps every page apart");
+        assert_eq!(
+            coalesce(&pages, &vmas, 2, 1000).len(),
+            100,
+            "gap 2 keeps every page apart"
+        );
         let runs = coalesce(&pages, &vmas, 2, 10);
         assert!(runs.len() <= 10, "{runs:?}");
         let covered: u64 = runs.iter().map(Run::pages).sum();
-        assert!(covered >= 100 && covered <= 397);
-        assert!(pages.iter().all(|&p| runs.iter().any(|r| r.start <= p && p < r.end)), "a page was lost");
+        assert!((100..=397).contains(&covered));
+        assert!(
+            pages
+                .iter()
+                .all(|&p| runs.iter().any(|r| r.start <= p && p < r.end)),
+            "a page was lost"
+        );
     }
 
     #[test]
     fn marked_ranges_are_not_marked_again() {
-        let marked = [Run { start: 2 * P, end: 4 * P }, Run { start: 6 * P, end: 7 * P }];
-        let runs = [Run { start: 0, end: 10 * P }];
+        let marked = [
+            Run {
+                start: 2 * P,
+                end: 4 * P,
+            },
+            Run {
+                start: 6 * P,
+                end: 7 * P,
+            },
+        ];
+        let runs = [Run {
+            start: 0,
+            end: 10 * P,
+        }];
         assert_eq!(
             subtract(&runs, &marked),
-            [Run { start: 0, end: 2 * P }, Run { start: 4 * P, end: 6 * P }, Run { start: 7 * P, end: 10 * P }]
+            [
+                Run {
+                    start: 0,
+                    end: 2 * P
+                },
+                Run {
+                    start: 4 * P,
+                    end: 6 * P
+                },
+                Run {
+                    start: 7 * P,
+                    end: 10 * P
+                }
+            ]
         );
         let mut set = marked.to_vec();
-        union(&mut set, &[Run { start: 4 * P, end: 6 * P }]);
-        assert_eq!(set, [Run { start: 2 * P, end: 7 * P }]);
+        union(
+            &mut set,
+            &[Run {
+                start: 4 * P,
+                end: 6 * P,
+            }],
+        );
+        assert_eq!(
+            set,
+            [Run {
+                start: 2 * P,
+                end: 7 * P
+            }]
+        );
     }
 
     #[test]
     fn a_crowded_process_gets_no_new_runs() {
-        let marker = Marker::new(MergePolicy { max_gap_pages: 0, max_new_runs: 100, max_map_count: 1000 });
+        let marker = Marker::new(MergePolicy {
+            max_gap_pages: 0,
+            max_new_runs: 100,
+            max_map_count: 1000,
+        });
         let vmas = [vma(0, 100 * P)];
         let pages: Vec<u64> = (0..50).map(|i| i * 2 * P).collect();
-        assert_eq!(marker.plan(1, &pages, &vmas, 499).len(), 0, "at half of max_map_count");
+        assert_eq!(
+            marker.plan(1, &pages, &vmas, 499).len(),
+            0,
+            "at half of max_map_count"
+        );
         let runs = marker.plan(1, &pages, &vmas, 480);
-        assert!((1..=10).contains(&runs.len()), "(500 - 480) / 2 runs left: {runs:?}");
+        assert!(
+            (1..=10).contains(&runs.len()),
+            "(500 - 480) / 2 runs left: {runs:?}"
+        );
     }
 }

@@ -313,13 +313,21 @@ impl Scanner {
     }
 
     /// Runs one pass over `processes`.
-    pub fn pass(&mut self, processes: &[Process], progress: &mut dyn FnMut(Progress)) -> PassReport {
+    pub fn pass(
+        &mut self,
+        processes: &[Process],
+        progress: &mut dyn FnMut(Progress),
+    ) -> PassReport {
         let refs: Vec<&Process> = processes.iter().collect();
         self.pass_over(&refs, progress)
     }
 
     /// Runs one pass over `processes` (borrowed from wherever they are kept).
-    pub fn pass_over(&mut self, processes: &[&Process], progress: &mut dyn FnMut(Progress)) -> PassReport {
+    pub fn pass_over(
+        &mut self,
+        processes: &[&Process],
+        progress: &mut dyn FnMut(Progress),
+    ) -> PassReport {
         let started = Instant::now();
         let mut report = PassReport::default();
         self.index.begin_pass();
@@ -406,8 +414,8 @@ impl Scanner {
             .filter(|r| r.0 == pid)
             .map(|r| (r.1, r.2))
             .collect();
-        Ok((vmas
-            .flat_map(|vma| {
+        Ok((
+            vmas.flat_map(|vma| {
                 ranges.iter().filter_map(move |&(start, end)| {
                     let (from, to) = (start.max(vma.start), end.min(vma.end));
                     (from < to).then(|| Vma {
@@ -417,7 +425,9 @@ impl Scanner {
                     })
                 })
             })
-            .collect(), total))
+            .collect(),
+            total,
+        ))
     }
 
     fn scan_process(
@@ -601,8 +611,14 @@ impl Scanner {
                     Placement::Duplicate { of } => {
                         counts.duplicate_pages += 1;
                         if self.config.collect_merge_candidates {
-                            self.merge_candidates.entry(pid).or_default().push(page.addr);
-                            self.merge_candidates.entry(of.pid).or_default().push(of.addr);
+                            self.merge_candidates
+                                .entry(pid)
+                                .or_default()
+                                .push(page.addr);
+                            self.merge_candidates
+                                .entry(of.pid)
+                                .or_default()
+                                .push(of.addr);
                         }
                     }
                     Placement::Volatile => counts.volatile_pages += 1,

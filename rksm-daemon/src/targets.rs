@@ -221,7 +221,11 @@ pub struct Selection {
 impl TargetSpec {
     /// Whether any selector was given.
     pub fn is_empty(&self) -> bool {
-        self.pids.is_empty() && self.cgroups.is_empty() && self.comm.is_none() && !self.all && self.tree_of.is_none()
+        self.pids.is_empty()
+            && self.cgroups.is_empty()
+            && self.comm.is_none()
+            && !self.all
+            && self.tree_of.is_none()
     }
 
     /// Resolves the selection now. Explicit pids must be usable; processes found through a
@@ -345,7 +349,13 @@ fn descendants(root: u32) -> BTreeSet<u32> {
     let mut tree = BTreeSet::from([root]);
     loop {
         let before = tree.len();
-        tree.extend(parents.iter().filter(|(_, ppid)| tree.contains(ppid)).map(|&(pid, _)| pid).collect::<Vec<_>>());
+        tree.extend(
+            parents
+                .iter()
+                .filter(|(_, ppid)| tree.contains(ppid))
+                .map(|&(pid, _)| pid)
+                .collect::<Vec<_>>(),
+        );
         if tree.len() == before {
             return tree;
         }

@@ -14,7 +14,7 @@ pub const PAGE: u64 = 4096;
 
 /// A running `rksm-testchild`, killed when dropped.
 pub struct TestChild {
-    child: Child,
+    child: Option<Child>,
     stdin: ChildStdin,
     stdout: BufReader<ChildStdout>,
 }
@@ -46,15 +46,36 @@ impl TestChild {
         let stdin = child.stdin.take().expect("piped");
         let stdout = BufReader::new(child.stdout.take().expect("piped"));
         TestChild {
-            child,
+            child: Some(child),
             stdin,
             stdout,
         }
     }
 
-    /// The child's pid.
+    /// Talks to a testchild started by someone else (`rksm run -- rksm-testchild`) through
+    /// that process's stdin and stdout.
+    pub fn attach(parent: &mut Child) -> TestChild {
+        let stdin = parent.stdin.take().expect("piped stdin");
+        let stdout = BufReader::new(parent.stdout.take().expect("piped stdout"));
+        TestChild {
+            child: None,
+            stdin,
+            stdout,
+        }
+    }
+
+    /// The child's pid (only for children spawned here).
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        self.child.as_ref().expect("spawned by the test").id()
+    }
+
+    /// The child's pid, asked from the child itself.
+    pub fn pid_from_proc(&mut self) -> u32 {
+        let reply = self.command("pid");
+        reply
+            .strip_prefix("pid ")
+            .and_then(|p| p.parse().ok())
+            .expect("pid N")
     }
 
     /// Sends one command and returns the reply; panics on an `error` reply.
@@ -151,18 +172,37 @@ impl TestChild {
         self.command(&format!("verify {} {first} {count} {seed}", region.id)) == "ok"
     }
 
+    /// Whether pages written with [`TestChild::write_unique`] still hold their contents.
+    pub fn verify_unique(&mut self, region: Region, first: u64, count: u64, seed: u64) -> bool {
+        self.command(&format!(
+            "verifyunique {} {first} {count} {seed}",
+            region.id
+        )) == "ok"
+    }
+
+    /// Everything the child's stdout still has until it closes (for a child of `rksm run`,
+    /// that includes what rksm prints after the child exits).
+    pub fn rest_of_output(mut self) -> String {
+        let mut rest = String::new();
+        std::io::Read::read_to_string(&mut self.stdout, &mut rest).expect("child stdout");
+        rest
+    }
+
     /// Asks the child to exit and waits for it.
     pub fn exit(mut self) {
         writeln!(self.stdin, "exit").expect("child stdin");
-        let status = self.child.wait().expect("waiting for child");
+        let mut child = self.child.take().expect("spawned by the test");
+        let status = child.wait().expect("waiting for child");
         assert!(status.success(), "child exited with {status}");
     }
 }
 
 impl Drop for TestChild {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        if let Some(child) = &mut self.child {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
 }
 
@@ -235,4 +275,46 @@ pub fn blocked_syscall(pid: u32) -> String {
         .expect("syscall file")
         .trim()
         .to_string()
+}
+
+/// The indices of `region`'s first `pages` pages that the kernel shows mapped to KSM pages
+/// (pagemap gives the frame, /proc/kpageflags bit 21 says KSM).
+pub fn ksm_pages(pid: u32, region: Region, pages: u64) -> Vec<u64> {
+    use std::os::unix::fs::FileExt;
+    let pagemap = std::fs::File::open(format!("/proc/{pid}/pagemap")).expect("pagemap");
+    let kpageflags = std::fs::File::open("/proc/kpageflags").expect("kpageflags");
+    let mut raw = vec![0u8; pages as usize * 8];
+    pagemap
+        .read_exact_at(&mut raw, region.base / PAGE * 8)
+        .expect("pagemap read");
+    (0..pages)
+        .filter(|&i| {
+            let entry =
+                u64::from_ne_bytes(raw[i as usize * 8..i as usize * 8 + 8].try_into().unwrap());
+            if entry >> 63 == 0 {
+                return false;
+            }
+            let pfn = entry & ((1 << 55) - 1);
+            let mut flags = [0u8; 8];
+            kpageflags.read_exact_at(&mut flags, pfn * 8).is_ok()
+                && u64::from_ne_bytes(flags) >> 21 & 1 == 1
+        })
+        .collect()
+}
+
+/// /proc/PID/ksm_merging_pages: how many of the process's pages KSM has merged.
+pub fn ksm_merging_pages(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/ksm_merging_pages"))
+        .map_or(0, |s| s.trim().parse().unwrap_or(0))
+}
+
+/// ksmd's settings, to check they are restored.
+pub fn ksmd_settings() -> (String, String, String) {
+    let read = |name: &str| {
+        std::fs::read_to_string(format!("/sys/kernel/mm/ksm/{name}"))
+            .unwrap()
+            .trim()
+            .to_string()
+    };
+    (read("run"), read("pages_to_scan"), read("sleep_millisecs"))
 }

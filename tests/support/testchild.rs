@@ -17,6 +17,8 @@
 //! - `sleep MS` → `slept`: sleeps in `clock_nanosleep` (a restartable system call).
 //! - `seccomp` → `ok`: installs a seccomp filter that allows everything.
 //! - `verify ID FIRST COUNT SEED` → `ok` or `mismatch PAGE`: checks contents are intact.
+//! - `verifyunique ID FIRST COUNT SEED` → the same for pages written with `unique`.
+//! - `pid` → `pid N`.
 //! - `exit` → exits 0.
 //!
 //! Accesses are volatile so the compiler can neither drop nor merge them.
@@ -215,6 +217,21 @@ fn run(line: &str, regions: &mut Vec<Region>) -> Result<String, String> {
             }
             Ok(format!("ok {sum}"))
         }
+        Some("verifyunique") => {
+            let r = region(num(1)?)?;
+            let (first, count, seed) = (num(2)? as usize, num(3)? as usize, num(4)?);
+            for p in first..first + count {
+                let page = r.page(p)?;
+                for w in 0..WORDS {
+                    // SAFETY: inside page `p` of the mapping.
+                    if unsafe { page.add(w).read_volatile() } != word(seed + (p - first) as u64, w)
+                    {
+                        return Ok(format!("mismatch {p}"));
+                    }
+                }
+            }
+            Ok("ok".into())
+        }
         Some("verify") => {
             let r = region(num(1)?)?;
             let (first, count, seed) = (num(2)? as usize, num(3)? as usize, num(4)?);
@@ -229,6 +246,7 @@ fn run(line: &str, regions: &mut Vec<Region>) -> Result<String, String> {
             }
             Ok("ok".into())
         }
+        Some("pid") => Ok(format!("pid {}", std::process::id())),
         Some("exit") => std::process::exit(0),
         _ => Err(format!("unknown command `{line}`")),
     }

@@ -48,7 +48,9 @@ pub struct DaemonOptions {
 fn parse_interval(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(v) if v.is_finite() && v > 0.0 && v <= 86_400.0 => Ok(v),
-        _ => Err(format!("`{s}` is not a number of seconds between 0 and 86400")),
+        _ => Err(format!(
+            "`{s}` is not a number of seconds between 0 and 86400"
+        )),
     }
 }
 
@@ -59,7 +61,9 @@ fn parse_interval(s: &str) -> Result<f64, String> {
 /// owned while rksm runs and restored when it stops (Ctrl-C, SIGTERM, --duration, --passes).
 /// New processes matching the targets are picked up; exited ones dropped.
 #[derive(Debug, Args)]
-#[command(after_help = "Example:\n  rksm daemon --comm '^python' --dirty ebpf --interval 2\n  rksm daemon --cgroup system.slice/workers.service --duration 600 --json")]
+#[command(
+    after_help = "Example:\n  rksm daemon --comm '^python' --dirty ebpf --interval 2\n  rksm daemon --cgroup system.slice/workers.service --duration 600 --json"
+)]
 pub struct DaemonArgs {
     #[command(flatten)]
     targets: TargetArgs,
@@ -83,7 +87,9 @@ pub struct RunArgs {
 pub fn run_daemon(args: DaemonArgs) -> anyhow::Result<()> {
     let spec = args.targets.spec();
     if spec.is_empty() {
-        return Err(BadInput("no targets given: use --pid, --cgroup, --comm or --all".into()).into());
+        return Err(
+            BadInput("no targets given: use --pid, --cgroup, --comm or --all".into()).into(),
+        );
     }
     serve(spec, &args.options, None).map(|_| ())
 }
@@ -95,7 +101,10 @@ pub fn run_command(args: RunArgs) -> anyhow::Result<()> {
         .spawn()
         .map_err(|e| BadInput(format!("cannot start `{}`: {e}", args.command[0])))?;
     let pid = child.id();
-    let spec = TargetSpec { tree_of: Some(pid), ..TargetSpec::default() };
+    let spec = TargetSpec {
+        tree_of: Some(pid),
+        ..TargetSpec::default()
+    };
     let result = serve(spec, &args.options, Some(pid));
     let status = child.wait().context("waiting for the command")?;
     result?;
@@ -105,7 +114,9 @@ pub fn run_command(args: RunArgs) -> anyhow::Result<()> {
 /// Exits with the command's status (a signal death becomes 128 + the signal, as in shells).
 fn exit_like(status: ExitStatus) -> anyhow::Result<()> {
     use std::os::unix::process::ExitStatusExt;
-    let code = status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0));
+    let code = status
+        .code()
+        .unwrap_or_else(|| 128 + status.signal().unwrap_or(0));
     if code != 0 {
         std::process::exit(code);
     }
@@ -122,12 +133,17 @@ fn pidfd(pid: u32) -> anyhow::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
-fn serve(spec: TargetSpec, options: &DaemonOptions, child: Option<u32>) -> anyhow::Result<DaemonStats> {
+fn serve(
+    spec: TargetSpec,
+    options: &DaemonOptions,
+    child: Option<u32>,
+) -> anyhow::Result<DaemonStats> {
     let mut mask = SigSet::empty();
     mask.add(Signal::SIGINT);
     mask.add(Signal::SIGTERM);
     mask.thread_block().context("blocking SIGINT and SIGTERM")?;
-    let signals = SignalFd::with_flags(&mask, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC).context("signalfd")?;
+    let signals = SignalFd::with_flags(&mask, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC)
+        .context("signalfd")?;
     let child_exit = child.map(pidfd).transpose()?;
 
     let config = DaemonConfig {
@@ -140,9 +156,15 @@ fn serve(spec: TargetSpec, options: &DaemonOptions, child: Option<u32>) -> anyho
         DaemonError::Targets(e) => anyhow::Error::new(BadInput(e.to_string())),
         other => anyhow::Error::new(other),
     })?;
-    log::info!("running with --dirty {} --checksum {}", daemon.dirty_mode(), options.checksum);
+    log::info!(
+        "running with --dirty {} --checksum {}",
+        daemon.dirty_mode(),
+        options.checksum
+    );
     let started = Instant::now();
-    let end = options.duration.map(|d| started + Duration::from_secs_f64(d));
+    let end = options
+        .duration
+        .map(|d| started + Duration::from_secs_f64(d));
     let interval = Duration::from_secs_f64(options.interval);
     let mut interrupts = vec![signals.as_fd()];
     if let Some(fd) = &child_exit {

@@ -1,0 +1,438 @@
+//! The daemon on live processes: duplicates merged (kernel evidence), memory intact,
+//! processes running, targets refused when they must be, ksmd restored.
+//!
+//! One rksm daemon owns ksmd at a time, so the scenarios here take turns.
+
+use std::{
+    process::Stdio,
+    sync::Mutex,
+    time::{Duration, Instant},
+};
+
+use rksm::{
+    checksum::ChecksumKind,
+    daemon::{Daemon, DaemonConfig, DaemonStats, DirtyMode},
+    targets::TargetSpec,
+};
+use rksm_tests::{
+    blocked_syscall, fd_count, ksm_merging_pages, ksm_pages, ksmd_settings, proc_status,
+    require_root, rksm_command, wait_for, Region, TestChild, PAGE,
+};
+
+static ONE_DAEMON_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_DAEMON_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// A daemon over exactly these regions, in `mode`.
+fn daemon_over(regions: &[(u32, Region, u64)], mode: DirtyMode) -> Daemon {
+    let config = DaemonConfig {
+        targets: TargetSpec {
+            pids: regions.iter().map(|r| r.0).collect(),
+            ..TargetSpec::default()
+        },
+        dirty: mode,
+        checksum: ChecksumKind::Xxh64,
+        only_ranges: regions
+            .iter()
+            .map(|&(pid, r, pages)| (pid, r.base, r.base + pages * PAGE))
+            .collect(),
+        ..DaemonConfig::default()
+    };
+    let daemon = Daemon::start(config).expect("daemon starts");
+    assert_eq!(daemon.dirty_mode(), mode.name());
+    daemon
+}
+
+/// Runs passes until `after_pass` (which may also change the workload) says done, or 60 s.
+fn passes_until(daemon: &mut Daemon, mut after_pass: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        daemon.pass();
+        if after_pass() {
+            return true;
+        }
+        daemon.wait(Instant::now() + Duration::from_millis(300), &[]);
+    }
+    false
+}
+
+const PAGES: u64 = 256;
+const SHARED: u64 = 128; // pages 0..128: the same content in every child
+const UNIQUE: u64 = 64; // pages 128..192: different in every child
+                        // pages 192..256: rewritten between passes (volatile)
+
+struct Worker {
+    child: TestChild,
+    region: Region,
+    seed: u64,
+}
+
+fn workers(n: u64) -> Vec<Worker> {
+    (0..n)
+        .map(|i| {
+            let mut child = TestChild::spawn();
+            let region = child.map(PAGES);
+            child.write(region, 0, SHARED, 1);
+            child.write_unique(region, SHARED, UNIQUE, 1000 * (i + 1));
+            child.write_unique(
+                region,
+                SHARED + UNIQUE,
+                PAGES - SHARED - UNIQUE,
+                50_000 * (i + 1),
+            );
+            Worker {
+                child,
+                region,
+                seed: 1000 * (i + 1),
+            }
+        })
+        .collect()
+}
+
+fn regions(workers: &[Worker]) -> Vec<(u32, Region, u64)> {
+    workers
+        .iter()
+        .map(|w| (w.child.pid(), w.region, PAGES))
+        .collect()
+}
+
+/// Every shared page of every worker is a KSM page, and no unique page is.
+fn shared_pages_merged(workers: &[Worker]) -> bool {
+    workers.iter().all(|w| {
+        ksm_pages(w.child.pid(), w.region, SHARED + UNIQUE) == (0..SHARED).collect::<Vec<_>>()
+    })
+}
+
+fn merge_scenario(mode: DirtyMode) -> (DaemonStats, Vec<Vec<u64>>) {
+    let mut workers = workers(3);
+    let fds_before: Vec<usize> = workers.iter().map(|w| fd_count(w.child.pid())).collect();
+    let mut daemon = daemon_over(&regions(&workers), mode);
+    let mut round = 0u64;
+    let merged = passes_until(&mut daemon, || {
+        // Writers keep changing the volatile pages while rksm works.
+        round += 1;
+        for (i, w) in workers.iter_mut().enumerate() {
+            w.child.write_unique(
+                w.region,
+                SHARED + UNIQUE,
+                PAGES - SHARED - UNIQUE,
+                100_000 * round + i as u64 * 1000,
+            );
+        }
+        shared_pages_merged(&workers)
+    });
+    let stats = daemon.finish();
+    assert!(merged, "{mode}: shared pages not merged in time: {stats:?}");
+    let merged_sets = workers
+        .iter()
+        .map(|w| ksm_pages(w.child.pid(), w.region, PAGES))
+        .collect();
+    for (i, w) in workers.iter_mut().enumerate() {
+        let pid = w.child.pid();
+        assert!(
+            ksm_merging_pages(pid) >= SHARED,
+            "{mode}: /proc/{pid}/ksm_merging_pages"
+        );
+        assert!(
+            w.child.verify(w.region, 0, SHARED, 1),
+            "{mode}: shared content changed"
+        );
+        assert!(
+            w.child.verify_unique(w.region, SHARED, UNIQUE, w.seed),
+            "{mode}: unique content changed"
+        );
+        let last = 100_000 * round + i as u64 * 1000;
+        assert!(
+            w.child
+                .verify_unique(w.region, SHARED + UNIQUE, PAGES - SHARED - UNIQUE, last),
+            "{mode}: volatile content changed"
+        );
+        assert_eq!(
+            fd_count(pid),
+            fds_before[i],
+            "{mode}: fd left in the target"
+        );
+        assert_eq!(proc_status(pid, "TracerPid:"), "0");
+    }
+    (stats, merged_sets)
+}
+
+#[test]
+fn every_dirty_mode_merges_the_same_pages_and_leaves_memory_intact() {
+    require_root();
+    let _turn = one_at_a_time();
+    let mut sets = Vec::new();
+    for mode in [DirtyMode::HashOnly, DirtyMode::Pagemap, DirtyMode::Ebpf] {
+        let (stats, merged) = merge_scenario(mode);
+        assert!(stats.pages_sharing >= 3 * SHARED - 3, "{mode}: {stats:?}");
+        assert!(stats.remote_syscalls > 0);
+        sets.push((mode, merged));
+    }
+    let reference = &sets[0].1;
+    for (mode, merged) in &sets {
+        // Only the shared pages, in every child: the same set in every mode.
+        assert_eq!(
+            merged, reference,
+            "{mode} merged different pages than hash-only"
+        );
+        assert!(
+            merged.iter().all(|pages| pages.iter().all(|&p| p < SHARED)),
+            "{mode}: a unique or volatile page was merged"
+        );
+    }
+}
+
+#[test]
+fn ebpf_mode_hashes_a_small_fraction_of_what_hash_only_does_on_static_memory() {
+    require_root();
+    let _turn = one_at_a_time();
+    let mut hashed = Vec::new();
+    for mode in [DirtyMode::HashOnly, DirtyMode::Ebpf] {
+        let workers = workers(2);
+        let mut daemon = daemon_over(&regions(&workers), mode);
+        for _ in 0..3 {
+            daemon.pass();
+        }
+        let before = daemon.stats().pages_hashed;
+        for _ in 0..3 {
+            daemon.pass();
+        }
+        let steady = daemon.stats().pages_hashed - before;
+        hashed.push(steady);
+        daemon.finish();
+    }
+    let (hash_only, ebpf) = (hashed[0], hashed[1]);
+    assert!(
+        hash_only >= 3 * 2 * (PAGES - SHARED),
+        "hash-only rehashes everything: {hash_only}"
+    );
+    assert!(
+        ebpf * 10 <= hash_only,
+        "ebpf hashed {ebpf} pages in steady state, hash-only {hash_only}"
+    );
+}
+
+#[test]
+fn traced_and_seccomp_targets_are_refused_and_left_alone() {
+    require_root();
+    let _turn = one_at_a_time();
+    let mut ok = TestChild::spawn();
+    let mut filtered = TestChild::spawn();
+    filtered.seccomp();
+    let traced = TestChild::spawn();
+    let tid = nix::unistd::Pid::from_raw(traced.pid() as i32);
+    nix::sys::ptrace::seize(tid, nix::sys::ptrace::Options::empty()).unwrap();
+    let mut regions = Vec::new();
+    for child in [&mut ok, &mut filtered] {
+        let r = child.map(64);
+        child.write(r, 0, 64, 9);
+        regions.push((child.pid(), r, 64));
+    }
+    regions.push((
+        traced.pid(),
+        Region {
+            id: 0,
+            base: 0x1000_0000,
+        },
+        1,
+    ));
+    assert!(wait_for(Duration::from_secs(5), || proc_status(
+        filtered.pid(),
+        "State:"
+    )
+    .starts_with('S')));
+    let before = blocked_syscall(filtered.pid());
+
+    let mut daemon = daemon_over(&regions, DirtyMode::Pagemap);
+    for _ in 0..3 {
+        daemon.pass();
+    }
+    let stats = daemon.finish();
+    assert_eq!(stats.targets_refused.get("seccomp"), Some(&1), "{stats:?}");
+    assert_eq!(stats.targets_refused.get("traced"), Some(&1), "{stats:?}");
+    assert_eq!(ksm_merging_pages(filtered.pid()), 0);
+    assert_eq!(
+        blocked_syscall(filtered.pid()),
+        before,
+        "the seccomp target was touched"
+    );
+    assert_eq!(proc_status(filtered.pid(), "TracerPid:"), "0");
+    assert_eq!(
+        proc_status(traced.pid(), "TracerPid:"),
+        nix::unistd::gettid().to_string(),
+        "only our own seize"
+    );
+    nix::sys::ptrace::interrupt(tid).unwrap();
+    nix::sys::wait::waitpid(tid, Some(nix::sys::wait::WaitPidFlag::__WALL)).unwrap();
+    nix::sys::ptrace::detach(tid, None).unwrap();
+}
+
+#[test]
+fn multithreaded_and_sleeping_targets_are_merged_and_keep_running() {
+    require_root();
+    let _turn = one_at_a_time();
+    let mut threaded = TestChild::spawn();
+    threaded.threads(4);
+    let mut sleeper = TestChild::spawn();
+    let mut regions = Vec::new();
+    for child in [&mut threaded, &mut sleeper] {
+        let r = child.map(64);
+        child.write(r, 0, 64, 11);
+        regions.push((child.pid(), r, 64));
+    }
+    let started = Instant::now();
+    sleeper.send("sleep 3000");
+    let mut daemon = daemon_over(&regions, DirtyMode::Ebpf);
+    let merged = passes_until(&mut daemon, || {
+        regions
+            .iter()
+            .all(|&(pid, r, n)| ksm_pages(pid, r, n).len() == n as usize)
+    });
+    daemon.finish();
+    assert!(merged, "not merged");
+    assert_eq!(sleeper.reply(), "slept");
+    assert!(
+        started.elapsed() >= Duration::from_millis(3000),
+        "the sleep was cut short"
+    );
+    assert!(threaded.verify(regions[0].1, 0, 64, 11) && sleeper.verify(regions[1].1, 0, 64, 11));
+}
+
+#[test]
+fn sigterm_restores_ksmd_and_prints_the_counters() {
+    require_root();
+    let _turn = one_at_a_time();
+    let before = ksmd_settings();
+    let mut child = TestChild::spawn();
+    let r = child.map(32);
+    child.write(r, 0, 32, 5);
+    let rksm = rksm_command()
+        .args([
+            "daemon",
+            "--pid",
+            &child.pid().to_string(),
+            "--interval",
+            "0.2",
+            "--json",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // ksmd runs while rksm owns it.
+    assert!(
+        wait_for(Duration::from_secs(10), || ksmd_settings().0 == "1"),
+        "rksm did not start ksmd"
+    );
+    // SAFETY: kill with a valid pid and signal.
+    assert_eq!(unsafe { libc::kill(rksm.id() as i32, libc::SIGTERM) }, 0);
+    let output = rksm.wait_with_output().unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert_eq!(ksmd_settings(), before, "ksmd's settings were not restored");
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON on stdout");
+    for key in [
+        "pages_shared",
+        "pages_sharing",
+        "pages_unshared",
+        "pages_volatile",
+        "full_scans",
+        "pages_hashed",
+        "pages_skipped_clean",
+        "checksum_ns",
+        "write_faults",
+        "tracer_lost",
+        "cow_breaks",
+        "remote_syscalls",
+    ] {
+        assert!(json[key].is_u64(), "{key} missing: {json}");
+    }
+    assert!(json["targets_refused"].is_object());
+    assert!(json["full_scans"].as_u64().unwrap() >= 1);
+}
+
+#[test]
+fn run_manages_a_command_and_its_children_and_exits_with_its_status() {
+    require_root();
+    let _turn = one_at_a_time();
+    let before = ksmd_settings();
+    let status = rksm_command()
+        .args(["run", "--interval", "0.2", "--", "sh", "-c", "exit 7"])
+        .status()
+        .unwrap();
+    assert_eq!(status.code(), Some(7));
+    assert_eq!(ksmd_settings(), before);
+
+    // A real workload under `rksm run`: the test talks to it through rksm's stdin/stdout.
+    let mut rksm = rksm_command()
+        .args([
+            "run",
+            "--interval",
+            "0.3",
+            "--json",
+            "--",
+            rksm_tests::built_binary("rksm-testchild").to_str().unwrap(),
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut child = TestChild::attach(&mut rksm);
+    let mut log = rksm.stderr.take().unwrap();
+    let r = child.map(128);
+    child.write(r, 0, 128, 21);
+    let forked = child.fork();
+    let pid = child.pid_from_proc();
+    assert!(
+        wait_for(Duration::from_secs(60), || ksm_pages(pid, r, 128).len()
+            == 128),
+        "rksm run did not merge"
+    );
+    assert!(child.verify(r, 0, 128, 21));
+    child.send("exit");
+    let rest = child.rest_of_output();
+    assert!(rksm.wait().unwrap().success());
+    let last = rest.lines().last().unwrap_or("").to_string();
+    let json: serde_json::Value =
+        serde_json::from_str(&last).expect("JSON after the command's output");
+    // The counters are those of the last pass, which may predate ksmd's merge; what rksm
+    // marked is not.
+    assert!(json["pages_marked"].as_u64().unwrap() >= 128, "{json}");
+    assert_eq!(ksmd_settings(), before);
+    let mut log_text = String::new();
+    std::io::Read::read_to_string(&mut log, &mut log_text).unwrap();
+    assert!(
+        log_text.contains(&format!("target pid {pid} ")),
+        "{log_text}"
+    );
+    assert!(
+        log_text.contains(&format!("target pid {forked} ")),
+        "the forked child was not picked up: {log_text}"
+    );
+}
+
+#[test]
+fn bad_daemon_input_gets_one_line_and_status_2() {
+    let _turn = one_at_a_time();
+    for args in [
+        &["daemon", "--pid", "1", "--dirty", "soft-dirty"][..],
+        &["daemon", "--pid", "4194305", "--passes", "1"],
+        &["daemon", "--cgroup", "no/such/cgroup-rksm", "--passes", "1"],
+        &["daemon", "--passes", "1"],
+        &["daemon", "--pid", "1", "--passes", "0"],
+        &["run", "--", "/no/such/program-rksm"],
+    ] {
+        let output = rksm_command().args(args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}
