@@ -183,15 +183,17 @@ impl Armed {
         })
     }
 
-    /// Registers the VMAs not registered yet and forgets ranges that are no longer VMAs.
+    /// Registers the VMAs not covered yet. The kernel keeps a registration across VMA splits
+    /// and merges (marking a run mergeable splits VMAs), so coverage is kept as address ranges,
+    /// clipped to the VMAs that exist now; a VMA unmapped and mapped again at the same place
+    /// is caught by [`Armed::protect`], which then drops it so it is registered again.
     pub fn register(&mut self, vmas: &[Vma]) {
-        self.registered
-            .retain(|&(s, e)| vmas.iter().any(|v| v.start == s && v.end == e));
-        self.refused
-            .retain(|&(s, e)| vmas.iter().any(|v| v.start == s && v.end == e));
+        self.registered = clip(&self.registered, vmas);
+        self.refused = clip(&self.refused, vmas);
         for vma in vmas {
-            let range = (vma.start, vma.end);
-            if self.registered.contains(&range) || self.refused.contains(&range) {
+            if covers(&self.registered, vma.start, vma.end)
+                || covers(&self.refused, vma.start, vma.end)
+            {
                 continue;
             }
             let mut reg = UffdioRegister {
@@ -202,7 +204,7 @@ impl Armed {
             };
             // SAFETY: a valid uffd and a properly laid out uffdio_register.
             match unsafe { uffdio_register(self.uffd.as_raw_fd(), &mut reg) } {
-                Ok(_) => self.registered.push(range),
+                Ok(_) => add(&mut self.registered, (vma.start, vma.end)),
                 Err(errno) => {
                     log::debug!(
                         "pid {}: cannot arm {:#x}-{:#x}: {errno}",
@@ -210,11 +212,10 @@ impl Armed {
                         vma.start,
                         vma.end
                     );
-                    self.refused.push(range);
+                    add(&mut self.refused, (vma.start, vma.end));
                 }
             }
         }
-        self.registered.sort_unstable();
     }
 
     /// Ranges whose pages are write-protected after [`Armed::protect`].
@@ -268,14 +269,102 @@ impl Armed {
                 }
             }
         }
-        self.registered.retain(|r| !failed.contains(r));
+        for range in failed {
+            self.registered = subtract(&self.registered, range);
+        }
         written
     }
+}
+
+/// The parts of `ranges` (sorted, disjoint) inside some VMA.
+fn clip(ranges: &[(u64, u64)], vmas: &[Vma]) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    for &(s, e) in ranges {
+        for vma in vmas {
+            let (from, to) = (s.max(vma.start), e.min(vma.end));
+            if from < to {
+                add(&mut out, (from, to));
+            }
+        }
+    }
+    out
+}
+
+/// Whether `ranges` (sorted, disjoint, adjacent ones merged) cover `start..end` entirely.
+fn covers(ranges: &[(u64, u64)], start: u64, end: u64) -> bool {
+    ranges.iter().any(|&(s, e)| s <= start && end <= e)
+}
+
+/// Adds `range` to `ranges`, keeping them sorted and merging overlapping or adjacent ones.
+fn add(ranges: &mut Vec<(u64, u64)>, range: (u64, u64)) {
+    ranges.push(range);
+    ranges.sort_unstable();
+    let mut merged: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+    for &(s, e) in ranges.iter() {
+        match merged.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => merged.push((s, e)),
+        }
+    }
+    *ranges = merged;
+}
+
+/// `ranges` without `cut`.
+fn subtract(ranges: &[(u64, u64)], cut: (u64, u64)) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    for &(s, e) in ranges {
+        if e <= cut.0 || s >= cut.1 {
+            out.push((s, e));
+            continue;
+        }
+        if s < cut.0 {
+            out.push((s, cut.0));
+        }
+        if cut.1 < e {
+            out.push((cut.1, e));
+        }
+    }
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn vma(start: u64, end: u64) -> Vma {
+        Vma {
+            start,
+            end,
+            perms: *b"rw-p",
+            inode: 0,
+            name: String::new(),
+        }
+    }
+
+    #[test]
+    fn coverage_survives_splits_and_follows_unmaps() {
+        let mut ranges = Vec::new();
+        add(&mut ranges, (0x1000, 0x9000));
+        // The VMA was split in three by a mergeable run: still covered.
+        let split = [
+            vma(0x1000, 0x3000),
+            vma(0x3000, 0x5000),
+            vma(0x5000, 0x9000),
+        ];
+        assert!(split
+            .iter()
+            .all(|v| covers(&clip(&ranges, &split), v.start, v.end)));
+        // The middle was unmapped: coverage shrinks with it, a new VMA there is not covered.
+        let clipped = clip(&ranges, &[vma(0x1000, 0x3000), vma(0x5000, 0x9000)]);
+        assert_eq!(clipped, [(0x1000, 0x3000), (0x5000, 0x9000)]);
+        assert!(!covers(&clipped, 0x3000, 0x5000));
+        assert_eq!(
+            subtract(&clipped, (0x6000, 0x7000)),
+            [(0x1000, 0x3000), (0x5000, 0x6000), (0x7000, 0x9000)]
+        );
+        add(&mut ranges, (0x9000, 0xa000));
+        assert_eq!(ranges, [(0x1000, 0xa000)], "adjacent ranges merge");
+    }
 
     #[test]
     fn kernel_structures_have_the_kernels_sizes() {

@@ -131,16 +131,18 @@ impl Arming {
             self.processes.insert(pid, armed.ok());
         }
         let armed = self.processes.get_mut(&pid)?.as_mut()?;
-        // Ranges armed *before* this call are the ones whose clean pages can be trusted.
-        let trusted = armed.armed_ranges().to_vec();
+        // Only ranges armed *before* this call (and still armed after protecting, which finds
+        // ranges that lost their registration) have pages whose cleanliness can be trusted.
+        let before = armed.armed_ranges().to_vec();
         armed.register(vmas);
         let written = armed.protect();
-        let still_armed = armed.armed_ranges();
-        let armed_ranges = trusted
-            .into_iter()
-            .filter(|r| still_armed.contains(r))
+        let after = armed.armed_ranges();
+        let trusted = before
+            .iter()
+            .flat_map(|&(s, e)| after.iter().map(move |&(s2, e2)| (s.max(s2), e.min(e2))))
+            .filter(|(s, e)| s < e)
             .collect();
-        Some((written, armed_ranges))
+        Some((written, trusted))
     }
 
     /// Drops `pid`'s arming (its uffd closes; the kernel unregisters).

@@ -18,6 +18,7 @@
 //! - `seccomp` → `ok`: installs a seccomp filter that allows everything.
 //! - `verify ID FIRST COUNT SEED` → `ok` or `mismatch PAGE`: checks contents are intact.
 //! - `verifyunique ID FIRST COUNT SEED` → the same for pages written with `unique`.
+//! - `verifyfill ID FIRST COUNT BYTE` → the same for pages written with `fill`.
 //! - `pid` → `pid N`.
 //! - `exit` → exits 0.
 //!
@@ -226,6 +227,21 @@ fn run(line: &str, regions: &mut Vec<Region>) -> Result<String, String> {
                     // SAFETY: inside page `p` of the mapping.
                     if unsafe { page.add(w).read_volatile() } != word(seed + (p - first) as u64, w)
                     {
+                        return Ok(format!("mismatch {p}"));
+                    }
+                }
+            }
+            Ok("ok".into())
+        }
+        Some("verifyfill") => {
+            let r = region(num(1)?)?;
+            let (first, count, byte) = (num(2)? as usize, num(3)? as usize, num(4)? as u8);
+            let expected = u64::from_ne_bytes([byte; 8]);
+            for p in first..first + count {
+                let page = r.page(p)?;
+                for w in 0..WORDS {
+                    // SAFETY: inside page `p` of the mapping.
+                    if unsafe { page.add(w).read_volatile() } != expected {
                         return Ok(format!("mismatch {p}"));
                     }
                 }

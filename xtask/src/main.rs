@@ -335,49 +335,200 @@ fn run(args: Vec<OsString>) -> Result<()> {
     demo(&release)
 }
 
-/// Until the merging daemon lands, the main job is the tracer: a workload that writes 256 fresh
-/// pages every half second, traced for five seconds.
-fn demo(release: &Path) -> Result<()> {
-    use std::io::{BufRead, BufReader, Write};
-    eprintln!("xtask: demo: a workload writes 256 fresh pages every 0.5 s; rksm traces it for 5 s");
-    let mut workload = Command::new(release.join("rksm-testchild"))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .context("starting the demo workload")?;
-    let mut to_workload = workload.stdin.take().context("workload stdin")?;
-    let mut from_workload = BufReader::new(workload.stdout.take().context("workload stdout")?);
-    let mut reply = String::new();
-    writeln!(to_workload, "map 16384")?;
-    from_workload.read_line(&mut reply)?;
-    let writer = thread::spawn(move || {
-        for i in 0..64u64 {
-            let line = format!("write 0 {} 256 {i}", i * 256);
-            if writeln!(to_workload, "{line}").is_err() {
-                break;
-            }
-            let mut ok = String::new();
-            if from_workload.read_line(&mut ok).unwrap_or(0) == 0 {
-                break;
-            }
-            thread::sleep(Duration::from_millis(500));
+/// One demo workload: an `rksm-testchild` driven over its stdin.
+struct Workload {
+    child: std::process::Child,
+    stdin: std::process::ChildStdin,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl Workload {
+    fn start(release: &Path) -> Result<Workload> {
+        let mut child = Command::new(release.join("rksm-testchild"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting a demo workload")?;
+        let stdin = child.stdin.take().context("workload stdin")?;
+        let stdout = std::io::BufReader::new(child.stdout.take().context("workload stdout")?);
+        Ok(Workload {
+            child,
+            stdin,
+            stdout,
+        })
+    }
+
+    fn command(&mut self, line: &str) -> Result<String> {
+        use std::io::{BufRead, Write};
+        writeln!(self.stdin, "{line}")?;
+        let mut reply = String::new();
+        self.stdout.read_line(&mut reply)?;
+        let reply = reply.trim().to_string();
+        if reply.is_empty() || reply.starts_with("error") {
+            bail!(
+                "workload {} answered `{reply}` to `{line}`",
+                self.child.id()
+            );
         }
-    });
-    let status = as_root(&release.join("rksm"))
-        .args([
-            "trace",
-            "--duration",
-            "5",
-            "--pid",
-            &workload.id().to_string(),
-        ])
-        .status();
-    let _ = workload.kill();
-    let _ = workload.wait();
-    let _ = writer.join();
-    let status = status.context("running rksm")?;
-    if !status.success() {
-        bail!("rksm exited with {status}");
+        Ok(reply)
+    }
+}
+
+impl Drop for Workload {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+// Layout of each demo workload's 64 MiB region, in pages.
+const DEMO_PAGES: u64 = 16384;
+const DEMO_DUPLICATE: (u64, u64) = (0, 8192); // the same content in every workload
+const DEMO_ZERO: (u64, u64) = (8192, 2048); // zero-filled
+const DEMO_UNIQUE: (u64, u64) = (10240, 4096); // different everywhere
+const DEMO_VOLATILE: (u64, u64) = (14336, 2048); // rewritten while rksm runs
+const DEMO_WORKLOADS: u64 = 4;
+
+/// The main job: workloads with known duplicate, zero, unique and volatile memory; the daemon
+/// in ebpf mode merging them while writers keep writing; then every byte checked.
+fn demo(release: &Path) -> Result<()> {
+    use std::sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex,
+    };
+    eprintln!(
+        "xtask: demo: {DEMO_WORKLOADS} workloads x 64 MiB (32 MiB the same everywhere, 8 MiB zeros, 16 MiB unique, 8 MiB rewritten every half second); rksm daemon --dirty ebpf for 15 s"
+    );
+    let mut workloads = Vec::new();
+    for i in 0..DEMO_WORKLOADS {
+        let mut w = Workload::start(release)?;
+        w.command(&format!("map {DEMO_PAGES}"))?;
+        w.command(&format!(
+            "write 0 {} {} 1",
+            DEMO_DUPLICATE.0, DEMO_DUPLICATE.1
+        ))?;
+        w.command(&format!("fill 0 {} {} 0", DEMO_ZERO.0, DEMO_ZERO.1))?;
+        w.command(&format!(
+            "unique 0 {} {} {}",
+            DEMO_UNIQUE.0,
+            DEMO_UNIQUE.1,
+            1_000_000 * (i + 1)
+        ))?;
+        w.command(&format!(
+            "unique 0 {} {} {}",
+            DEMO_VOLATILE.0,
+            DEMO_VOLATILE.1,
+            10_000_000 * (i + 1)
+        ))?;
+        workloads.push(w);
+    }
+    let pids: Vec<String> = workloads.iter().map(|w| w.child.id().to_string()).collect();
+    // Writers: every half second each workload rewrites its volatile pages with a new seed;
+    // the last seed is kept to check the contents at the end.
+    let workloads = Arc::new(Mutex::new(workloads));
+    let last_seeds = Arc::new(Mutex::new(
+        (1..=DEMO_WORKLOADS)
+            .map(|i| 10_000_000 * i)
+            .collect::<Vec<u64>>(),
+    ));
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (workloads, last_seeds, stop) = (workloads.clone(), last_seeds.clone(), stop.clone());
+        thread::spawn(move || -> Result<()> {
+            let mut round = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                round += 1;
+                let mut workloads = workloads.lock().expect("not poisoned");
+                let mut seeds = last_seeds.lock().expect("not poisoned");
+                for (i, w) in workloads.iter_mut().enumerate() {
+                    let seed = 100_000_000 * round + i as u64 * 10_000;
+                    w.command(&format!(
+                        "unique 0 {} {} {seed}",
+                        DEMO_VOLATILE.0, DEMO_VOLATILE.1
+                    ))?;
+                    seeds[i] = seed;
+                }
+                drop((workloads, seeds));
+                thread::sleep(Duration::from_millis(500));
+            }
+            Ok(())
+        })
+    };
+    let mut args = vec![
+        "daemon".to_string(),
+        "--dirty".into(),
+        "ebpf".into(),
+        "--interval".into(),
+        "1".into(),
+    ];
+    args.extend(["--duration".into(), "15".into(), "--json".into()]);
+    for pid in &pids {
+        args.extend(["--pid".into(), pid.clone()]);
+    }
+    let output = as_root(&release.join("rksm"))
+        .args(&args)
+        .stderr(Stdio::inherit())
+        .output();
+    stop.store(true, Ordering::Relaxed);
+    let written = writer
+        .join()
+        .map_err(|_| anyhow::anyhow!("the writer thread panicked"))?;
+    let output = output.context("running rksm daemon")?;
+    written?;
+    if !output.status.success() {
+        bail!("rksm daemon exited with {}", output.status);
+    }
+    let stats: serde_json::Value =
+        serde_json::from_slice(&output.stdout).context("rksm's JSON summary")?;
+
+    eprintln!("xtask: checking every byte of every workload");
+    let mut workloads = workloads.lock().expect("not poisoned");
+    let seeds = last_seeds.lock().expect("not poisoned");
+    let mut intact = true;
+    for (i, w) in workloads.iter_mut().enumerate() {
+        let checks = [
+            format!("verify 0 {} {} 1", DEMO_DUPLICATE.0, DEMO_DUPLICATE.1),
+            format!("verifyfill 0 {} {} 0", DEMO_ZERO.0, DEMO_ZERO.1),
+            format!(
+                "verifyunique 0 {} {} {}",
+                DEMO_UNIQUE.0,
+                DEMO_UNIQUE.1,
+                1_000_000 * (i as u64 + 1)
+            ),
+            format!(
+                "verifyunique 0 {} {} {}",
+                DEMO_VOLATILE.0, DEMO_VOLATILE.1, seeds[i]
+            ),
+        ];
+        let mut answers = Vec::new();
+        for check in &checks {
+            answers.push(w.command(check)?);
+        }
+        let ok = answers.iter().all(|a| a == "ok");
+        intact &= ok;
+        let merged = fs::read_to_string(format!("/proc/{}/ksm_merging_pages", w.child.id()))
+            .unwrap_or_default();
+        eprintln!(
+            "xtask:   workload {} (pid {}): {} pages merged (kernel's ksm_merging_pages), memory {}",
+            i + 1,
+            w.child.id(),
+            merged.trim(),
+            if ok { "intact".to_string() } else { format!("CHANGED: {answers:?}") }
+        );
+    }
+    let sharing = stats["pages_sharing"].as_u64().unwrap_or(0);
+    println!(
+        "demo: rksm saved {:.1} MiB ({} pages sharing {} KSM pages); hashed {} pages and skipped {} clean ones; {} copy-on-write breaks; memory of every workload {}",
+        sharing as f64 * 4096.0 / 1048576.0,
+        sharing,
+        stats["pages_shared"],
+        stats["pages_hashed"],
+        stats["pages_skipped_clean"],
+        stats["cow_breaks"],
+        if intact { "intact" } else { "CHANGED" }
+    );
+    if !intact {
+        bail!("a workload's memory changed");
     }
     Ok(())
 }
