@@ -436,3 +436,70 @@ fn bad_daemon_input_gets_one_line_and_status_2() {
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
     }
 }
+
+#[test]
+fn copy_on_write_breaks_are_counted_and_their_region_backs_off() {
+    require_root();
+    let _turn = one_at_a_time();
+    let mut child = TestChild::spawn();
+    let r = child.map(512);
+    child.write(r, 0, 512, 31);
+    let pid = child.pid();
+    let mut daemon = daemon_over(&[(pid, r, 512)], DirtyMode::Ebpf);
+    assert!(
+        passes_until(&mut daemon, || ksm_pages(pid, r, 512).len() == 512),
+        "never merged"
+    );
+    assert_eq!(daemon.stats().cow_breaks, 0);
+
+    // Writing merged pages breaks them (copy-on-write), even with the same bytes.
+    child.write(r, 0, 64, 31);
+    daemon.pass();
+    let stats = daemon.stats().clone();
+    assert!(stats.cow_breaks >= 64, "{stats:?}");
+    assert!(stats.regions_backed_off >= 1, "{stats:?}");
+    // Backed off (for 4 passes the first time): unmarked, so ksmd leaves the broken pages
+    // alone although they are duplicates again.
+    for _ in 0..3 {
+        daemon.wait(Instant::now() + Duration::from_millis(400), &[]);
+        daemon.pass();
+    }
+    assert!(
+        ksm_pages(pid, r, 64).is_empty(),
+        "a backed-off region was merged again"
+    );
+    daemon.finish();
+    assert!(child.verify(r, 0, 512, 31));
+}
+
+#[test]
+fn memory_the_target_registered_with_its_own_userfaultfd_is_hashed_every_pass() {
+    require_root();
+    let _turn = one_at_a_time();
+    let mut child = TestChild::spawn();
+    let own = child.map(64);
+    let plain = child.map(64);
+    child.write(own, 0, 64, 41);
+    child.write(plain, 0, 64, 42);
+    child.own_userfaultfd(own);
+    let pid = child.pid();
+    let mut daemon = daemon_over(&[(pid, own, 64), (pid, plain, 64)], DirtyMode::Pagemap);
+    for _ in 0..3 {
+        daemon.pass();
+    }
+    let before = daemon.stats().clone();
+    daemon.pass();
+    let after = daemon.stats().clone();
+    // The region rksm could arm is skipped as clean; the one it could not is rehashed.
+    assert_eq!(after.pages_hashed - before.pages_hashed, 64, "{after:?}");
+    assert_eq!(
+        after.pages_skipped_clean - before.pages_skipped_clean,
+        64,
+        "{after:?}"
+    );
+    assert!(passes_until(&mut daemon, || ksm_pages(pid, own, 64).len()
+        == 64
+        && ksm_pages(pid, plain, 64).len() == 64));
+    daemon.finish();
+    assert!(child.verify(own, 0, 64, 41) && child.verify(plain, 0, 64, 42));
+}

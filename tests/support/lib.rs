@@ -139,6 +139,11 @@ impl TestChild {
         u64::from_str_radix(hex, 16).expect("hex address")
     }
 
+    /// Registers `region` with a userfaultfd of the child's own.
+    pub fn own_userfaultfd(&mut self, region: Region) {
+        assert_eq!(self.command(&format!("uffd {}", region.id)), "ok");
+    }
+
     /// Puts the child under a seccomp filter (that allows everything).
     pub fn seccomp(&mut self) {
         assert_eq!(self.command("seccomp"), "ok");

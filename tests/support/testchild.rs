@@ -16,6 +16,8 @@
 //! - `threads N` → `threads ADDR`: N threads that keep incrementing the u64 at ADDR.
 //! - `sleep MS` → `slept`: sleeps in `clock_nanosleep` (a restartable system call).
 //! - `seccomp` → `ok`: installs a seccomp filter that allows everything.
+//! - `uffd ID` → `ok`: registers the (fully written) region with a userfaultfd of its own,
+//!   as a process using userfaultfd for itself would.
 //! - `verify ID FIRST COUNT SEED` → `ok` or `mismatch PAGE`: checks contents are intact.
 //! - `verifyunique ID FIRST COUNT SEED` → the same for pages written with `unique`.
 //! - `verifyfill ID FIRST COUNT BYTE` → the same for pages written with `fill`.
@@ -182,6 +184,45 @@ fn run(line: &str, regions: &mut Vec<Region>) -> Result<String, String> {
         Some("sleep") => {
             std::thread::sleep(std::time::Duration::from_millis(num(1)?));
             Ok("slept".into())
+        }
+        Some("uffd") => {
+            let r = region(num(1)?)?;
+            #[repr(C)]
+            struct Api {
+                api: u64,
+                features: u64,
+                ioctls: u64,
+            }
+            #[repr(C)]
+            struct Register {
+                start: u64,
+                len: u64,
+                mode: u64,
+                ioctls: u64,
+            }
+            // SAFETY: userfaultfd returns a new fd; the ioctls get correctly laid out structs
+            // that outlive the calls. The fd is kept open on purpose for the child's lifetime.
+            unsafe {
+                let fd = libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | 1) as i32;
+                let mut api = Api {
+                    api: 0xAA,
+                    features: 0,
+                    ioctls: 0,
+                };
+                let mut reg = Register {
+                    start: r.base as u64,
+                    len: (r.pages * PAGE) as u64,
+                    mode: 1,
+                    ioctls: 0,
+                };
+                if fd < 0
+                    || libc::ioctl(fd, 0xc018_aa3f, &mut api) != 0
+                    || libc::ioctl(fd, 0xc020_aa00, &mut reg) != 0
+                {
+                    return Err(format!("userfaultfd: {}", io::Error::last_os_error()));
+                }
+            }
+            Ok("ok".into())
         }
         Some("seccomp") => {
             let allow = [libc::sock_filter {
