@@ -114,7 +114,7 @@ impl Default for DaemonConfig {
             checksum: ChecksumKind::Xxh64,
             ksm_root: PathBuf::from(ksmd::KSM_SYSFS),
             policy: MergePolicy::default(),
-            ksmd_sweep: Duration::from_secs(1),
+            ksmd_sweep: Duration::from_millis(500),
             ksmd_sleep_millisecs: 20,
             only_ranges: Vec::new(),
         }
@@ -298,6 +298,8 @@ pub struct Daemon {
     backoff: Backoff,
     stats: DaemonStats,
     marking_syscalls: u64,
+    /// Runs marked in each of the last few passes, newest last.
+    recent_marks: std::collections::VecDeque<u64>,
     _lock: std::fs::File,
 }
 
@@ -360,6 +362,7 @@ impl Daemon {
                 ..DaemonStats::default()
             },
             marking_syscalls: 0,
+            recent_marks: std::collections::VecDeque::new(),
             _lock: lock,
         };
         daemon.adopt(selection.processes);
@@ -451,6 +454,9 @@ impl Daemon {
     pub fn pass(&mut self) -> PassSummary {
         let started = Instant::now();
         self.refresh_targets();
+        for &pid in self.processes.keys() {
+            self.scanner.set_settled(pid, self.marker.marked(pid));
+        }
         let targets: Vec<&Process> = self.processes.values().collect();
         let report = self.scanner.pass_over(&targets, &mut |_| {});
         let now = self.stats.full_scans;
@@ -466,6 +472,10 @@ impl Daemon {
         }
         summary.cow_breaks = self.account_cow_breaks(&report, now);
         summary.runs_marked = self.mark(&report, now);
+        self.recent_marks.push_back(summary.runs_marked);
+        if self.recent_marks.len() > 3 {
+            self.recent_marks.pop_front();
+        }
         self.update_stats(&report);
         summary.seconds = started.elapsed().as_secs_f64();
         summary
@@ -590,9 +600,14 @@ impl Daemon {
             s.write_faults = s.write_faults.max(faults);
             s.tracer_lost = s.tracer_lost.max(lost);
         }
-        // Pace ksmd to sweep what is marked in about `ksmd_sweep`.
+        // While new runs were marked in the last passes, pace ksmd to sweep the marked set in
+        // about `ksmd_sweep` (it needs two sweeps to merge a page); once nothing new is
+        // marked, let it fall back to its default pace, which is enough to re-merge the odd
+        // page and costs little.
+        let busy = self.recent_marks.iter().sum::<u64>() > 0;
+        let pages = if busy { s.pages_marked } else { 0 };
         let pace = ksmd::pace(
-            s.pages_marked,
+            pages,
             self.config.ksmd_sweep.as_secs_f64(),
             self.config.ksmd_sleep_millisecs,
         );

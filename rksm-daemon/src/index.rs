@@ -49,6 +49,11 @@ pub enum Content<'a> {
     /// Not read this pass (the dirty source says it is clean); read it only if a comparison
     /// needs it, and check it still has the checksum recorded for it.
     Unread,
+    /// Clean, and already marked mergeable: no decision depends on it any more (ksmd
+    /// compares contents itself before merging), so it joins the first live class with its
+    /// checksum without being read. Under a checksum collision that miscounts a duplicate;
+    /// it never marks anything.
+    Settled,
 }
 
 /// Where a page ended up.
@@ -173,6 +178,9 @@ impl ContentTree {
         while id != NONE {
             let class = &self.classes[id as usize];
             let next = class.next;
+            if !class.stale && matches!(page.content, Content::Settled) {
+                return Lookup::Found(id);
+            }
             if !class.stale {
                 let rep_content: &[u8; PAGE] = if class.zero {
                     &ZERO_PAGE
@@ -193,8 +201,10 @@ impl ContentTree {
                 match page.content(src, hash, checksum) {
                     None => return Lookup::Vanished,
                     Some(mine) if mine == &rep_content[..] => {
-                        let rep_copy = *rep_content;
-                        self.cache.insert(id, &rep_copy);
+                        if !self.cache.pages.contains_key(&id) {
+                            let rep_copy = *rep_content;
+                            self.cache.insert(id, &rep_copy);
+                        }
                         return Lookup::Found(id);
                     }
                     Some(_) => {}
@@ -310,7 +320,7 @@ impl PageUnderTest<'_> {
         match self.content {
             Content::Loaded(bytes) => Some(bytes),
             Content::Zero => Some(&ZERO_PAGE),
-            Content::Unread => {
+            Content::Unread | Content::Settled => {
                 if self.loaded.is_none() && !self.vanished {
                     let mut buf = Box::new([0u8; PAGE]);
                     // A page the dirty source called clean must still have its checksum; if
@@ -707,6 +717,27 @@ mod tests {
             index.place(c, sum, sum, false, Content::Unread, &mut mem),
             Placement::Vanished
         );
+    }
+
+    #[test]
+    fn settled_pages_join_by_checksum_without_any_read() {
+        let kind = ChecksumKind::Xxh64;
+        let mut index = Index::with_cache(kind, 0);
+        let mut mem = Memory::default();
+        let sum = kind.checksum(&[5; PAGE]);
+        let a = mem.set(1, 0, 5);
+        index.begin_pass();
+        let content = mem.pages[&a];
+        assert_eq!(
+            index.place(a, sum, sum, false, Content::Loaded(&content), &mut mem),
+            Placement::Unique
+        );
+        let settled = PageRef { pid: 2, addr: 0 };
+        assert_eq!(
+            index.place(settled, sum, sum, false, Content::Settled, &mut mem),
+            Placement::Duplicate { of: a }
+        );
+        assert_eq!(mem.reads, 0);
     }
 
     #[test]

@@ -11,6 +11,7 @@
 //! Scanning, checksums, the dedup index, arming and merging get their own modules as they land.
 
 pub mod arming;
+pub mod bench;
 pub mod checksum;
 pub mod daemon;
 pub mod dirty;
@@ -25,3 +26,4 @@ pub mod targets;
 pub mod trace;
 pub mod tracefs;
 pub mod tracer;
+pub mod workload;

@@ -250,6 +250,14 @@ impl Marker {
             .unwrap_or_default()
     }
 
+    /// The ranges marked in `pid`, sorted.
+    pub fn marked(&self, pid: u32) -> Vec<(u64, u64)> {
+        self.marked
+            .get(&pid)
+            .map(|runs| runs.iter().map(|r| (r.start, r.end)).collect())
+            .unwrap_or_default()
+    }
+
     /// Pages marked in `pid`.
     pub fn marked_pages(&self, pid: u32) -> u64 {
         self.marked

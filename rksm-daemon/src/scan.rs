@@ -274,6 +274,8 @@ pub struct Scanner {
     live: LiveMemory,
     merge_candidates: HashMap<u32, Vec<u64>>,
     ksm_pages: HashMap<u32, Vec<u64>>,
+    /// Per process, ranges already marked mergeable: their clean pages need no comparison.
+    settled: HashMap<u32, Vec<(u64, u64)>>,
 }
 
 impl Scanner {
@@ -293,6 +295,7 @@ impl Scanner {
             live: LiveMemory::default(),
             merge_candidates: HashMap::new(),
             ksm_pages: HashMap::new(),
+            settled: HashMap::new(),
         })
     }
 
@@ -310,6 +313,13 @@ impl Scanner {
     pub fn forget(&mut self, pid: u32) {
         self.states.remove(&pid);
         self.dirty.forget(pid);
+        self.settled.remove(&pid);
+    }
+
+    /// Tells the scanner which ranges of `pid` are already marked mergeable (sorted): their
+    /// clean pages are placed by checksum alone (see [`Content::Settled`]).
+    pub fn set_settled(&mut self, pid: u32, ranges: Vec<(u64, u64)>) {
+        self.settled.insert(pid, ranges);
     }
 
     /// Runs one pass over `processes`.
@@ -591,13 +601,24 @@ impl Scanner {
                     ),
                     Source::Clean => {
                         counts.pages_skipped_clean += 1;
-                        (previous, Content::Unread)
+                        let settled = self.settled.get(&pid).is_some_and(|ranges| {
+                            let i = ranges.partition_point(|r| r.1 <= page.addr);
+                            ranges.get(i).is_some_and(|r| r.0 <= page.addr)
+                        });
+                        (
+                            previous,
+                            if settled {
+                                Content::Settled
+                            } else {
+                                Content::Unread
+                            },
+                        )
                     }
                 };
                 let is_zero = checksum == self.zero_checksum
                     && match content {
                         Content::Loaded(bytes) => bytes.iter().all(|&b| b == 0),
-                        Content::Zero | Content::Unread => true,
+                        Content::Zero | Content::Unread | Content::Settled => true,
                     };
                 match self.index.place(
                     page,

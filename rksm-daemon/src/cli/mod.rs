@@ -4,6 +4,7 @@ use std::io::Write;
 
 use clap::{Parser, Subcommand};
 
+mod bench;
 mod daemon;
 mod estimate;
 mod targets;
@@ -36,6 +37,8 @@ enum Command {
     Estimate(estimate::EstimateArgs),
     Daemon(daemon::DaemonArgs),
     Run(daemon::RunArgs),
+    Bench(bench::BenchArgs),
+    Workload(bench::WorkloadArgs),
 }
 
 /// Runs the parsed command.
@@ -45,6 +48,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Estimate(args) => estimate::run(args),
         Command::Daemon(args) => daemon::run_daemon(args),
         Command::Run(args) => daemon::run_command(args),
+        Command::Bench(args) => bench::run_bench(args),
+        Command::Workload(args) => bench::run_workload(args),
     }
 }
 

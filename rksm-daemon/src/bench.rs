@@ -1,0 +1,718 @@
+//! `rksm bench`: ksmd against rksm's modes on the same workload, measured side by side.
+//!
+//! The linux-mm experiment that started rksm measured, per hash function, CoW count,
+//! checksum time per page, pages_sharing and pages_unshared. This module reruns it for five
+//! configurations on one machine in one run: ksmd alone at its default pace with the
+//! workloads' memory marked mergeable, ksmd paced to sweep that memory in a second (as fast
+//! as rksm paces it), and the rksm daemon in hash-only, pagemap and ebpf mode, each rksm mode
+//! with xxh64 and crc32c. Every run starts fresh workloads (`rksm workload`), samples
+//! pages_sharing and the CPU time of rksm and of ksmd from /proc twice a second, and ends by
+//! asking every workload to check its own memory.
+
+use std::{
+    io::{BufRead, BufReader, Write},
+    path::{Path, PathBuf},
+    process::{Child, ChildStdin, ChildStdout, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use serde::Serialize;
+
+use crate::{
+    ksmd::{self, KsmdOwner, KsmdSettings},
+    workload::Profile,
+};
+
+/// One configuration of the comparison.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Config {
+    /// ksmd alone at its default settings, the memory marked mergeable by the workloads.
+    Ksmd,
+    /// ksmd alone, paced like rksm paces it.
+    KsmdTuned,
+    /// The rksm daemon in a dirty mode.
+    Rksm(&'static str),
+}
+
+impl Config {
+    /// The `mode` column.
+    pub fn name(self) -> &'static str {
+        match self {
+            Config::Ksmd => "ksmd",
+            Config::KsmdTuned => "ksmd-tuned",
+            Config::Rksm(mode) => mode,
+        }
+    }
+}
+
+/// One sample of a run.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Sample {
+    /// Seconds since the run started.
+    pub t: f64,
+    /// ksmd's pages_sharing, minus what it was before the run.
+    pub pages_sharing: u64,
+    /// CPU seconds of the rksm daemon so far.
+    pub rksm_cpu: f64,
+    /// CPU seconds of ksmd so far.
+    pub ksmd_cpu: f64,
+}
+
+/// One run's results (the JSON row).
+#[derive(Debug, Clone, Serialize)]
+pub struct RunResult {
+    /// ksmd, ksmd-tuned, hash-only, ebpf or pagemap.
+    pub mode: String,
+    /// xxh64 or crc32c (ksmd always uses the kernel's xxhash).
+    pub checksum: String,
+    /// pages_sharing at the end.
+    pub pages_sharing: u64,
+    /// Pages hashed per pass in steady state (ksmd: pages scanned per full scan).
+    pub pages_hashed: u64,
+    /// CPU seconds of the rksm daemon.
+    pub cpu_seconds: f64,
+    /// CPU seconds of ksmd.
+    pub ksmd_cpu_seconds: f64,
+    /// Seconds until pages_sharing reached 90% of what the profile allows (None: never).
+    pub seconds_to_90pct: Option<f64>,
+    /// rksm + ksmd CPU seconds spent until then.
+    pub cpu_to_90pct: Option<f64>,
+    /// Copy-on-write breaks the tracer saw (rksm modes only).
+    pub cow_breaks: Option<u64>,
+    /// ksmd's pages_unshared at the end.
+    pub pages_unshared: u64,
+    /// pages_unshared / pages_sharing.
+    pub unshared_per_sharing: f64,
+    /// Checksum time per hashed page (rksm modes only).
+    pub checksum_ns_per_page: Option<f64>,
+    /// Every workload's memory held exactly what it wrote.
+    pub integrity_ok: bool,
+    /// The time series.
+    pub samples: Vec<Sample>,
+}
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct BenchPlan {
+    /// The workload.
+    pub profile: Profile,
+    /// How long each run lasts.
+    pub run_seconds: f64,
+    /// Seconds between rksm passes.
+    pub interval: f64,
+    /// The rksm binary (the running one).
+    pub rksm: PathBuf,
+    /// Runs per configuration (medians are reported).
+    pub repeat: u32,
+    /// ksmd at its default pace is slow: its runs go on until 90% is reached, up to this long.
+    pub ksmd_default_cap: f64,
+}
+
+struct Workload {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Workload {
+    fn start(
+        plan: &BenchPlan,
+        profile_arg: &str,
+        index: u32,
+        mergeable: bool,
+    ) -> std::io::Result<Workload> {
+        let mut cmd = Command::new(&plan.rksm);
+        cmd.args([
+            "workload",
+            "--profile",
+            profile_arg,
+            "--index",
+            &index.to_string(),
+        ]);
+        if mergeable {
+            cmd.arg("--mergeable");
+        }
+        let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).spawn()?;
+        let stdin = child.stdin.take().expect("piped");
+        let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
+        let mut line = String::new();
+        stdout.read_line(&mut line)?;
+        if line.trim() != "ready" {
+            return Err(std::io::Error::other(format!(
+                "workload {index} did not start: `{}`",
+                line.trim()
+            )));
+        }
+        Ok(Workload {
+            child,
+            stdin,
+            stdout,
+        })
+    }
+
+    fn verify(&mut self) -> bool {
+        let mut line = String::new();
+        writeln!(self.stdin, "verify").is_ok()
+            && self.stdout.read_line(&mut line).is_ok()
+            && line.trim() == "ok"
+    }
+}
+
+impl Drop for Workload {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// CPU seconds (user + system) of a process from /proc/PID/stat.
+fn cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after = stat.get(stat.rfind(')')? + 2..)?;
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .ok()
+        .flatten()
+        .unwrap_or(100) as f64;
+    Some(ticks as f64 / hz)
+}
+
+fn ksmd_pid() -> Option<u32> {
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        (std::fs::read_to_string(format!("/proc/{pid}/comm"))
+            .ok()?
+            .trim()
+            == "ksmd")
+            .then_some(pid)
+    })
+}
+
+fn ksm_counter(name: &str) -> u64 {
+    std::fs::read_to_string(Path::new(ksmd::KSM_SYSFS).join(name))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Lets ksmd forget the previous run's workloads before the next one is measured: ksmd only
+/// drops an exited process's pages from its counters when it next scans, so it is run fast
+/// until pages_shared and pages_sharing stop moving (at most 30 s).
+pub fn settle() {
+    let owner = KsmdOwner::take(
+        Path::new(ksmd::KSM_SYSFS),
+        KsmdSettings {
+            run: 1,
+            pages_to_scan: 10_000,
+            sleep_millisecs: 10,
+        },
+    );
+    let reading = || (ksm_counter("pages_shared"), ksm_counter("pages_sharing"));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let (mut last, mut still) = (reading(), 0);
+    // Settled when the counters are zero or have not moved for a second.
+    while Instant::now() < deadline && last != (0, 0) && still < 4 {
+        std::thread::sleep(Duration::from_millis(250));
+        let now = reading();
+        still = if now == last { still + 1 } else { 0 };
+        last = now;
+    }
+    drop(owner);
+}
+
+/// Runs one configuration once.
+pub fn run_once(
+    plan: &BenchPlan,
+    profile_arg: &str,
+    config: Config,
+    checksum: &str,
+) -> Result<RunResult, String> {
+    let n = plan.profile.processes;
+    let mergeable = matches!(config, Config::Ksmd | Config::KsmdTuned);
+    settle();
+    let mut workloads = (0..n)
+        .map(|i| Workload::start(plan, profile_arg, i, mergeable))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("starting the workload: {e}"))?;
+    let ksmd = ksmd_pid().ok_or("no ksmd thread: is KSM built into this kernel?")?;
+    let achievable = plan
+        .profile
+        .achievable_sharing(ksm_counter("max_page_sharing"));
+    let base_sharing = ksm_counter("pages_sharing");
+    let (base_scanned, base_scans) = (ksm_counter("pages_scanned"), ksm_counter("full_scans"));
+    let ksmd_cpu0 = cpu_seconds(ksmd).unwrap_or(0.0);
+
+    let mergeable_pages: u64 = u64::from(n)
+        * 256
+        * (plan.profile.duplicate_mib
+            + plan.profile.zero_mib
+            + plan.profile.unique_mib
+            + plan.profile.volatile_mib
+            + plan.profile.fork_mib);
+    let (owner, mut daemon) = match config {
+        Config::Ksmd => (
+            Some(
+                KsmdOwner::take(
+                    Path::new(ksmd::KSM_SYSFS),
+                    KsmdSettings {
+                        run: 1,
+                        pages_to_scan: 100,
+                        sleep_millisecs: 20,
+                    },
+                )
+                .map_err(|e| e.to_string())?,
+            ),
+            None,
+        ),
+        Config::KsmdTuned => (
+            Some(
+                KsmdOwner::take(
+                    Path::new(ksmd::KSM_SYSFS),
+                    ksmd::pace(mergeable_pages, 1.0, 20),
+                )
+                .map_err(|e| e.to_string())?,
+            ),
+            None,
+        ),
+        Config::Rksm(mode) => {
+            let mut cmd = Command::new(&plan.rksm);
+            cmd.args([
+                "daemon",
+                "--dirty",
+                mode,
+                "--checksum",
+                checksum,
+                "--interval",
+                &plan.interval.to_string(),
+            ]);
+            cmd.args(["--duration", &plan.run_seconds.to_string(), "--json"]);
+            for w in &workloads {
+                cmd.args(["--pid", &w.child.id().to_string()]);
+            }
+            let child = cmd
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .map_err(|e| format!("starting rksm: {e}"))?;
+            (None, Some(child))
+        }
+    };
+    let started = Instant::now();
+    let mut samples = Vec::new();
+    let daemon_pid = daemon.as_ref().map(Child::id);
+    let mut last_rksm_cpu = 0.0;
+    let target = 0.9 * achievable as f64;
+    let keep_going = |samples: &[Sample]| {
+        let t = started.elapsed().as_secs_f64();
+        match config {
+            Config::Ksmd => {
+                t < plan.ksmd_default_cap
+                    && (t < plan.run_seconds
+                        || samples
+                            .last()
+                            .is_none_or(|s| (s.pages_sharing as f64) < target))
+            }
+            _ => t < plan.run_seconds,
+        }
+    };
+    while keep_going(&samples) {
+        std::thread::sleep(Duration::from_millis(500));
+        if let Some(cpu) = daemon_pid.and_then(cpu_seconds) {
+            last_rksm_cpu = cpu;
+        }
+        samples.push(Sample {
+            t: started.elapsed().as_secs_f64(),
+            pages_sharing: ksm_counter("pages_sharing").saturating_sub(base_sharing),
+            rksm_cpu: last_rksm_cpu,
+            ksmd_cpu: cpu_seconds(ksmd).unwrap_or(0.0) - ksmd_cpu0,
+        });
+    }
+    // rksm stops by itself at --duration; its JSON and per-pass log lines tell the rest.
+    let mut rksm_stats = None;
+    let mut hashed_per_pass = Vec::new();
+    if let Some(child) = daemon.take() {
+        let output = child
+            .wait_with_output()
+            .map_err(|e| format!("waiting for rksm: {e}"))?;
+        if !output.status.success() {
+            return Err(format!(
+                "rksm daemon failed: {}",
+                String::from_utf8_lossy(&output.stderr)
+                    .lines()
+                    .last()
+                    .unwrap_or("")
+            ));
+        }
+        rksm_stats = serde_json::from_slice::<serde_json::Value>(&output.stdout).ok();
+        hashed_per_pass = String::from_utf8_lossy(&output.stderr)
+            .lines()
+            .filter_map(|l| {
+                l.split(" hashed ")
+                    .nth(1)?
+                    .split_whitespace()
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .collect();
+    }
+    let ksmd_cpu = cpu_seconds(ksmd).unwrap_or(0.0) - ksmd_cpu0;
+    let pages_unshared = ksm_counter("pages_unshared");
+    let pages_sharing = ksm_counter("pages_sharing").saturating_sub(base_sharing);
+    let integrity_ok = workloads.iter_mut().all(Workload::verify);
+    drop(owner);
+    drop(workloads);
+
+    let at_90 = samples
+        .iter()
+        .find(|s| s.pages_sharing as f64 >= 0.9 * achievable as f64);
+    let stat = |key: &str| rksm_stats.as_ref().and_then(|s| s[key].as_u64());
+    // Steady state: the second half of the passes, when merging has settled.
+    let pages_hashed = match config {
+        Config::Rksm(_) => median_u64(
+            hashed_per_pass
+                .get(hashed_per_pass.len() / 2..)
+                .unwrap_or(&[])
+                .to_vec(),
+        ),
+        _ => (ksm_counter("pages_scanned") - base_scanned)
+            .checked_div(ksm_counter("full_scans") - base_scans)
+            .unwrap_or(0),
+    };
+    Ok(RunResult {
+        mode: config.name().into(),
+        checksum: if mergeable {
+            "xxh64".into()
+        } else {
+            checksum.into()
+        },
+        pages_sharing,
+        pages_hashed,
+        cpu_seconds: last_rksm_cpu,
+        ksmd_cpu_seconds: ksmd_cpu,
+        seconds_to_90pct: at_90.map(|s| s.t),
+        cpu_to_90pct: at_90.map(|s| s.rksm_cpu + s.ksmd_cpu),
+        cow_breaks: stat("cow_breaks"),
+        pages_unshared,
+        unshared_per_sharing: if pages_sharing > 0 {
+            pages_unshared as f64 / pages_sharing as f64
+        } else {
+            0.0
+        },
+        checksum_ns_per_page: match (stat("checksum_ns"), stat("pages_hashed")) {
+            (Some(ns), Some(pages)) if pages > 0 => Some(ns as f64 / pages as f64),
+            _ => None,
+        },
+        integrity_ok,
+        samples,
+    })
+}
+
+fn median_u64(mut v: Vec<u64>) -> u64 {
+    v.sort_unstable();
+    v.get(v.len() / 2).copied().unwrap_or(0)
+}
+
+fn median_f64(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// The median run of several (by pages_sharing, then time to 90%), with every numeric field
+/// replaced by its median; integrity holds only if it held in every run.
+pub fn median_of(runs: Vec<RunResult>) -> RunResult {
+    let mut typical = runs[runs.len() / 2].clone();
+    typical.pages_sharing = median_u64(runs.iter().map(|r| r.pages_sharing).collect());
+    typical.pages_hashed = median_u64(runs.iter().map(|r| r.pages_hashed).collect());
+    typical.cpu_seconds = median_f64(runs.iter().map(|r| r.cpu_seconds).collect());
+    typical.ksmd_cpu_seconds = median_f64(runs.iter().map(|r| r.ksmd_cpu_seconds).collect());
+    typical.pages_unshared = median_u64(runs.iter().map(|r| r.pages_unshared).collect());
+    let reached: Vec<f64> = runs.iter().filter_map(|r| r.seconds_to_90pct).collect();
+    typical.seconds_to_90pct = (reached.len() * 2 > runs.len()).then(|| median_f64(reached));
+    let cpu: Vec<f64> = runs.iter().filter_map(|r| r.cpu_to_90pct).collect();
+    typical.cpu_to_90pct = (cpu.len() * 2 > runs.len()).then(|| median_f64(cpu));
+    typical.integrity_ok = runs.iter().all(|r| r.integrity_ok);
+    typical
+}
+
+/// The configurations and checksums of a full comparison, in report order.
+pub fn matrix() -> Vec<(Config, &'static str)> {
+    let mut m = vec![(Config::Ksmd, "xxh64"), (Config::KsmdTuned, "xxh64")];
+    for mode in ["hash-only", "pagemap", "ebpf"] {
+        for checksum in ["xxh64", "crc32c"] {
+            m.push((Config::Rksm(mode), checksum));
+        }
+    }
+    m
+}
+
+/// The report's verdicts on the targets of the comparison, one line each.
+pub fn verdicts(runs: &[RunResult]) -> Vec<String> {
+    let find = |mode: &str, checksum: &str| {
+        runs.iter()
+            .find(|r| r.mode == mode && r.checksum == checksum)
+    };
+    let mut lines = Vec::new();
+    for checksum in ["xxh64", "crc32c"] {
+        if let (Some(h), Some(e)) = (find("hash-only", checksum), find("ebpf", checksum)) {
+            let ratio = e.pages_hashed as f64 / h.pages_hashed.max(1) as f64;
+            lines.push(format!(
+                "{} ebpf hashes {:.1}% of what hash-only hashes per steady-state pass ({} vs {} pages; target at most 10%), with pages_sharing {} vs {} ({checksum})",
+                if ratio <= 0.10 { "MET:" } else { "NOT MET:" },
+                ratio * 100.0,
+                e.pages_hashed,
+                h.pages_hashed,
+                e.pages_sharing,
+                h.pages_sharing
+            ));
+        }
+    }
+    let best_rksm = runs
+        .iter()
+        .filter(|r| r.mode == "ebpf")
+        .filter_map(|r| r.cpu_to_90pct.zip(r.seconds_to_90pct))
+        .min_by(|a, b| a.0.total_cmp(&b.0));
+    match (best_rksm, find("ksmd-tuned", "xxh64").and_then(|r| r.cpu_to_90pct)) {
+        (Some((cpu, _)), Some(tuned)) => lines.push(format!(
+            "{} rksm ebpf + ksmd used {cpu:.2} CPU s to reach 90% of the achievable savings, ksmd-tuned {tuned:.2} s: {:.2}x (target at most 1/3)",
+            if cpu * 3.0 <= tuned { "MET:" } else { "NOT MET:" },
+            cpu / tuned.max(1e-9)
+        )),
+        _ => lines.push("NOT MEASURED: rksm ebpf or ksmd-tuned did not reach 90% of the achievable savings within the run".into()),
+    }
+    match (best_rksm, find("ksmd", "xxh64")) {
+        (Some((_, t)), Some(k)) => match k.seconds_to_90pct {
+            Some(tk) => lines.push(format!(
+                "{} rksm ebpf reached 90% in {t:.1} s, ksmd at default settings in {tk:.1} s: {:.1}x sooner (target at least 5x)",
+                if tk >= 5.0 * t { "MET:" } else { "NOT MET:" },
+                tk / t.max(1e-9)
+            )),
+            None => {
+                let run = k.samples.last().map_or(0.0, |s| s.t);
+                lines.push(format!(
+                    "{} rksm ebpf reached 90% in {t:.1} s; ksmd at default settings did not within its {run:.0} s run (at least {:.1}x sooner; target at least 5x)",
+                    if run >= 5.0 * t { "MET:" } else { "NOT MEASURED:" },
+                    run / t.max(1e-9)
+                ))
+            }
+        },
+        _ => {}
+    }
+    lines
+}
+
+/// The Markdown table of a comparison.
+pub fn markdown(runs: &[RunResult], profile: &Profile, command: &str) -> String {
+    let mut md = String::new();
+    md.push_str(&format!(
+        "Command: `{command}`\n\nProfile: {}\n\n",
+        serde_json::to_string(profile).unwrap_or_default()
+    ));
+    md.push_str("| mode | checksum | pages_sharing | pages hashed / pass | rksm CPU s | ksmd CPU s | s to 90% | CPU s to 90% | CoW breaks | checksum ns/page | pages_unshared | unshared/sharing | integrity |\n");
+    md.push_str("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    let opt =
+        |v: Option<f64>, digits: usize| v.map_or("-".to_string(), |x| format!("{x:.digits$}"));
+    for r in runs {
+        md.push_str(&format!(
+            "| {} | {} | {} | {} | {:.2} | {:.2} | {} | {} | {} | {} | {} | {:.3} | {} |\n",
+            r.mode,
+            r.checksum,
+            r.pages_sharing,
+            r.pages_hashed,
+            r.cpu_seconds,
+            r.ksmd_cpu_seconds,
+            opt(r.seconds_to_90pct, 1),
+            opt(r.cpu_to_90pct, 2),
+            r.cow_breaks.map_or("-".into(), |c| c.to_string()),
+            opt(r.checksum_ns_per_page, 0),
+            r.pages_unshared,
+            r.unshared_per_sharing,
+            if r.integrity_ok { "ok" } else { "FAILED" }
+        ));
+    }
+    md.push('\n');
+    for line in verdicts(runs) {
+        md.push_str(&format!("- {line}\n"));
+    }
+    md
+}
+
+/// An SVG plot: pages_sharing (top) and rksm + ksmd CPU seconds (bottom) over time, per run.
+pub fn svg(runs: &[RunResult]) -> String {
+    const W: f64 = 900.0;
+    const H: f64 = 260.0;
+    const COLORS: [&str; 8] = [
+        "#d62728", "#ff7f0e", "#1f77b4", "#17becf", "#2ca02c", "#98df8a", "#9467bd", "#c5b0d5",
+    ];
+    let t_max = runs
+        .iter()
+        .flat_map(|r| r.samples.last())
+        .map(|s| s.t)
+        .fold(1.0, f64::max);
+    let y_max = runs
+        .iter()
+        .flat_map(|r| r.samples.iter())
+        .map(|s| s.pages_sharing as f64)
+        .fold(1.0, f64::max);
+    let c_max = runs
+        .iter()
+        .flat_map(|r| r.samples.iter())
+        .map(|s| s.rksm_cpu + s.ksmd_cpu)
+        .fold(0.01, f64::max);
+    let mut out = format!("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{}\" font-family=\"sans-serif\" font-size=\"12\">\n", W + 220.0, 2.0 * H + 80.0);
+    let panel = |out: &mut String,
+                 top: f64,
+                 title: &str,
+                 max: f64,
+                 value: &dyn Fn(&Sample) -> f64| {
+        out.push_str(&format!(
+            "<text x=\"60\" y=\"{}\">{title} (max {max:.1})</text>\n",
+            top - 6.0
+        ));
+        out.push_str(&format!("<rect x=\"60\" y=\"{top}\" width=\"{W}\" height=\"{H}\" fill=\"none\" stroke=\"#888\"/>\n"));
+        for (i, r) in runs.iter().enumerate() {
+            let points: Vec<String> = r
+                .samples
+                .iter()
+                .map(|s| {
+                    format!(
+                        "{:.1},{:.1}",
+                        60.0 + s.t / t_max * W,
+                        top + H - value(s) / max * H
+                    )
+                })
+                .collect();
+            out.push_str(&format!(
+                "<polyline fill=\"none\" stroke=\"{}\" stroke-width=\"1.5\" points=\"{}\"/>\n",
+                COLORS[i % COLORS.len()],
+                points.join(" ")
+            ));
+        }
+    };
+    panel(&mut out, 30.0, "pages_sharing", y_max, &|s| {
+        s.pages_sharing as f64
+    });
+    panel(
+        &mut out,
+        H + 70.0,
+        "CPU seconds, rksm + ksmd",
+        c_max,
+        &|s| s.rksm_cpu + s.ksmd_cpu,
+    );
+    out.push_str(&format!(
+        "<text x=\"60\" y=\"{}\">0 s</text><text x=\"{}\" y=\"{}\">{t_max:.0} s</text>\n",
+        2.0 * H + 88.0,
+        W + 30.0,
+        2.0 * H + 88.0
+    ));
+    for (i, r) in runs.iter().enumerate() {
+        out.push_str(&format!(
+            "<text x=\"{}\" y=\"{}\" fill=\"{}\">{} {}</text>\n",
+            W + 70.0,
+            40.0 + 16.0 * i as f64,
+            COLORS[i % COLORS.len()],
+            r.mode,
+            r.checksum
+        ));
+    }
+    out.push_str("</svg>\n");
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(
+        mode: &str,
+        checksum: &str,
+        hashed: u64,
+        t90: Option<f64>,
+        cpu90: Option<f64>,
+    ) -> RunResult {
+        RunResult {
+            mode: mode.into(),
+            checksum: checksum.into(),
+            pages_sharing: 1000,
+            pages_hashed: hashed,
+            cpu_seconds: 1.0,
+            ksmd_cpu_seconds: 1.0,
+            seconds_to_90pct: t90,
+            cpu_to_90pct: cpu90,
+            cow_breaks: None,
+            pages_unshared: 10,
+            unshared_per_sharing: 0.01,
+            checksum_ns_per_page: None,
+            integrity_ok: true,
+            samples: vec![Sample {
+                t: 30.0,
+                pages_sharing: 1000,
+                rksm_cpu: 0.5,
+                ksmd_cpu: 0.5,
+            }],
+        }
+    }
+
+    #[test]
+    fn verdicts_compare_the_right_rows() {
+        let runs = [
+            run("ksmd", "xxh64", 5000, Some(25.0), Some(3.0)),
+            run("ksmd-tuned", "xxh64", 5000, Some(3.0), Some(3.0)),
+            run("hash-only", "xxh64", 5000, Some(3.0), Some(2.0)),
+            run("ebpf", "xxh64", 400, Some(4.0), Some(0.9)),
+        ];
+        let v = verdicts(&runs);
+        assert!(v[0].starts_with("MET: ebpf hashes 8.0%"), "{v:?}");
+        assert!(v[1].starts_with("MET: rksm ebpf + ksmd used 0.90"), "{v:?}");
+        assert!(
+            v[2].starts_with(
+                "MET: rksm ebpf reached 90% in 4.0 s, ksmd at default settings in 25.0 s: 6.2x"
+            ),
+            "{v:?}"
+        );
+        let slow = [
+            run("ksmd", "xxh64", 1, Some(10.0), None),
+            run("ebpf", "xxh64", 1, Some(4.0), Some(1.0)),
+        ];
+        assert!(
+            verdicts(&slow)
+                .iter()
+                .any(|l| l.starts_with("NOT MET: rksm ebpf reached 90% in 4.0 s")),
+            "{:?}",
+            verdicts(&slow)
+        );
+    }
+
+    #[test]
+    fn medians_take_the_middle_and_integrity_needs_every_run() {
+        let mut runs = vec![
+            run("ebpf", "xxh64", 1, Some(1.0), Some(1.0)),
+            run("ebpf", "xxh64", 9, Some(3.0), Some(3.0)),
+            run("ebpf", "xxh64", 5, Some(2.0), Some(2.0)),
+        ];
+        runs[1].integrity_ok = false;
+        let m = median_of(runs);
+        assert_eq!(m.pages_hashed, 5);
+        assert_eq!(m.seconds_to_90pct, Some(2.0));
+        assert!(!m.integrity_ok);
+    }
+
+    #[test]
+    fn the_matrix_has_every_mode_with_both_checksums() {
+        let m = matrix();
+        assert_eq!(m.len(), 8);
+        assert!(m.contains(&(Config::Rksm("ebpf"), "crc32c")));
+    }
+
+    #[test]
+    fn the_plot_has_a_line_per_run() {
+        let runs = [
+            run("ksmd", "xxh64", 1, None, None),
+            run("ebpf", "xxh64", 1, None, None),
+        ];
+        let svg = svg(&runs);
+        assert_eq!(svg.matches("<polyline").count(), 4, "two panels, two runs");
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    }
+}

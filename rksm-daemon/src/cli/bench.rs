@@ -1,0 +1,138 @@
+//! `rksm bench` and `rksm workload`.
+
+use std::{io::Write, path::PathBuf};
+
+use anyhow::Context;
+use clap::Args;
+use rksm::{
+    bench::{self, BenchPlan, RunResult},
+    workload::{self, Profile},
+};
+
+use super::BadInput;
+
+/// Compare ksmd and rksm's modes on the same workload, side by side, in one run.
+///
+/// Runs ksmd at its default settings, ksmd paced like rksm, and the rksm daemon in hash-only,
+/// pagemap and ebpf mode with xxh64 and crc32c, each on fresh workload processes, and reports
+/// pages_sharing over time, time and CPU (rksm + ksmd) to 90% of the achievable savings, pages
+/// hashed per pass, checksum time, CoW breaks, pages_unshared, and an integrity check of every
+/// workload. Needs root and no other rksm daemon running.
+#[derive(Debug, Args)]
+#[command(
+    after_help = "Example:\n  rksm bench --quick\n  rksm bench --profile mixed --repeat 3 --out bench-report --json"
+)]
+pub struct BenchArgs {
+    /// Workload: quick, static, mixed, large, or a JSON file with the fields of a profile.
+    #[arg(long, value_name = "NAME|FILE")]
+    profile: Option<String>,
+    /// Small workload, short runs, one repetition: under 3 minutes.
+    #[arg(long)]
+    quick: bool,
+    /// Seconds per run (default 15 with --quick, else 30); ksmd at its default pace runs until
+    /// it reaches 90% of the savings, up to 45 s with --quick, else 180 s.
+    #[arg(long, value_name = "SECS", value_parser = parse_seconds)]
+    seconds: Option<f64>,
+    /// Runs per configuration; medians are reported (default 1 with --quick, else 3).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=20))]
+    repeat: Option<u32>,
+    /// Write report.md, report.json and pages_sharing.svg here.
+    #[arg(long, value_name = "DIR")]
+    out: Option<PathBuf>,
+    /// Print `{"runs":[...]}` instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && (2.0..=3600.0).contains(&v) => Ok(v),
+        _ => Err(format!(
+            "`{s}` is not a number of seconds between 2 and 3600"
+        )),
+    }
+}
+
+pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
+    let profile_arg = args
+        .profile
+        .clone()
+        .unwrap_or_else(|| if args.quick { "quick" } else { "mixed" }.into());
+    let profile = Profile::load(&profile_arg).map_err(BadInput)?;
+    // Workloads are started by name or path: make a file path absolute for them.
+    let profile_arg = match std::fs::canonicalize(&profile_arg) {
+        Ok(path) if Profile::named(&profile_arg).is_none() => path.display().to_string(),
+        _ => profile_arg,
+    };
+    let plan = BenchPlan {
+        profile: profile.clone(),
+        run_seconds: args.seconds.unwrap_or(if args.quick { 15.0 } else { 30.0 }),
+        interval: 1.0,
+        rksm: std::env::current_exe().context("locating the rksm binary")?,
+        repeat: args.repeat.unwrap_or(if args.quick { 1 } else { 3 }),
+        ksmd_default_cap: if args.quick { 45.0 } else { 180.0 },
+    };
+    let mut results: Vec<RunResult> = Vec::new();
+    for (config, checksum) in bench::matrix() {
+        let mut runs = Vec::new();
+        for rep in 1..=plan.repeat {
+            log::info!(
+                "bench: {} {checksum}, run {rep}/{}",
+                config.name(),
+                plan.repeat
+            );
+            let run = bench::run_once(&plan, &profile_arg, config, checksum)
+                .map_err(|e| anyhow::anyhow!("{} {checksum}: {e}", config.name()))?;
+            runs.push(run);
+        }
+        results.push(bench::median_of(runs));
+    }
+    let command = std::env::args().collect::<Vec<_>>().join(" ");
+    let table = bench::markdown(&results, &profile, &command);
+    if let Some(dir) = &args.out {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        std::fs::write(dir.join("report.md"), &table)?;
+        std::fs::write(
+            dir.join("report.json"),
+            serde_json::to_string_pretty(&serde_json::json!({ "runs": results }))?,
+        )?;
+        std::fs::write(dir.join("pages_sharing.svg"), bench::svg(&results))?;
+        log::info!("bench: report written to {}", dir.display());
+    }
+    let mut out = std::io::stdout().lock();
+    if args.json {
+        serde_json::to_writer(&mut out, &serde_json::json!({ "runs": results }))?;
+        writeln!(out)?;
+    } else {
+        write!(out, "{table}")?;
+    }
+    if results.iter().any(|r| !r.integrity_ok) {
+        anyhow::bail!("a workload's memory changed during the benchmark");
+    }
+    Ok(())
+}
+
+/// Run one benchmark workload process (rksm bench starts these).
+///
+/// Fills its memory per the profile (duplicate pages identical across processes, zeros,
+/// unique pages, volatile pages rewritten at the profile's rate, pages shared with a forked
+/// child), prints `ready`, then answers `verify` with `ok` or `mismatch PAGE`, until `exit`
+/// or end of input.
+#[derive(Debug, Args)]
+#[command(after_help = "Example:\n  echo verify | rksm workload --profile quick --index 0")]
+pub struct WorkloadArgs {
+    /// quick, static, mixed, large, or a JSON profile file.
+    #[arg(long, value_name = "NAME|FILE", default_value = "quick")]
+    profile: String,
+    /// Which process of the profile this is (unique contents depend on it).
+    #[arg(long, default_value_t = 0)]
+    index: u32,
+    /// Mark the memory MADV_MERGEABLE (for ksmd-only runs).
+    #[arg(long)]
+    mergeable: bool,
+}
+
+pub fn run_workload(args: WorkloadArgs) -> anyhow::Result<()> {
+    let profile = Profile::load(&args.profile).map_err(BadInput)?;
+    workload::serve(&profile, args.index, args.mergeable).context("workload")
+}

@@ -1,0 +1,342 @@
+//! The benchmark's workload: a process with known duplicate, zero, unique, volatile and
+//! fork-shared memory that can check its own memory on request.
+//!
+//! `rksm bench` starts N of these (`rksm workload`, one process each) so that ksmd and every
+//! rksm mode work on the same memory, and asks each to verify itself at the end: a merge that
+//! changed a byte shows up as a failed integrity check, not as a better number.
+
+use std::{
+    io::{self, BufRead, Write},
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use serde::{Deserialize, Serialize};
+
+const PAGE: usize = 4096;
+const WORDS: usize = PAGE / 8;
+
+/// What each workload process holds, in MiB, and how fast it writes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Profile {
+    /// Number of processes.
+    pub processes: u32,
+    /// Pages identical across all processes.
+    pub duplicate_mib: u64,
+    /// Zero-filled pages.
+    pub zero_mib: u64,
+    /// Pages different in every process.
+    pub unique_mib: u64,
+    /// Pages rewritten while the benchmark runs.
+    pub volatile_mib: u64,
+    /// Volatile pages rewritten per second (per process).
+    pub volatile_pages_per_sec: u64,
+    /// Of the rewrites, how many in 100 write the value the page already had.
+    pub same_value_percent: u64,
+    /// Pages shared copy-on-write with a forked child.
+    pub fork_mib: u64,
+}
+
+impl Profile {
+    /// The built-in profiles.
+    pub fn named(name: &str) -> Option<Profile> {
+        let base = Profile {
+            processes: 4,
+            duplicate_mib: 64,
+            zero_mib: 16,
+            unique_mib: 32,
+            volatile_mib: 8,
+            volatile_pages_per_sec: 2000,
+            same_value_percent: 50,
+            fork_mib: 16,
+        };
+        match name {
+            // Small enough that every configuration runs in seconds.
+            "quick" => Some(Profile {
+                duplicate_mib: 24,
+                zero_mib: 8,
+                unique_mib: 8,
+                volatile_mib: 4,
+                volatile_pages_per_sec: 500,
+                fork_mib: 4,
+                ..base
+            }),
+            // Mostly static memory: what the dirty-bit modes are for.
+            "static" => Some(Profile {
+                volatile_mib: 1,
+                volatile_pages_per_sec: 50,
+                ..base
+            }),
+            "mixed" => Some(base),
+            // Several GiB in all.
+            "large" => Some(Profile {
+                processes: 8,
+                duplicate_mib: 512,
+                zero_mib: 64,
+                unique_mib: 256,
+                volatile_mib: 64,
+                volatile_pages_per_sec: 20_000,
+                fork_mib: 64,
+                ..base
+            }),
+            _ => None,
+        }
+    }
+
+    /// The named profile, or a JSON file with every field.
+    pub fn load(name_or_file: &str) -> Result<Profile, String> {
+        if let Some(profile) = Profile::named(name_or_file) {
+            return Ok(profile);
+        }
+        let text = std::fs::read_to_string(name_or_file).map_err(|e| {
+            format!("`{name_or_file}` is neither a profile name (quick, static, mixed, large) nor a readable file: {e}")
+        })?;
+        let profile: Profile =
+            serde_json::from_str(&text).map_err(|e| format!("{name_or_file}: {e}"))?;
+        if profile.processes == 0 || profile.same_value_percent > 100 {
+            return Err(format!(
+                "{name_or_file}: processes must be at least 1 and same_value_percent at most 100"
+            ));
+        }
+        Ok(profile)
+    }
+
+    fn pages(mib: u64) -> usize {
+        (mib * 256) as usize
+    }
+
+    /// Pages merging can free at best: every copy of a duplicate page but one, every zero page
+    /// but those ksmd keeps (one per `max_page_sharing` sharers).
+    pub fn achievable_sharing(&self, max_page_sharing: u64) -> u64 {
+        let n = u64::from(self.processes);
+        let shared = |copies: u64| copies - copies.div_ceil(max_page_sharing.max(2));
+        Self::pages(self.duplicate_mib) as u64 * shared(n)
+            + shared(n * Self::pages(self.zero_mib) as u64)
+    }
+}
+
+fn word(seed: u64, i: usize) -> u64 {
+    (seed.wrapping_add(1))
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .rotate_left((i % 64) as u32)
+        ^ i as u64
+}
+
+/// The process's memory: one anonymous mapping, laid out duplicate | zero | unique | volatile.
+struct Memory {
+    base: *mut u64,
+    pages: usize,
+}
+
+// SAFETY: the mapping lives as long as the process; the writer thread and the command loop
+// access it under the `Expected` mutex.
+unsafe impl Send for Memory {}
+
+impl Memory {
+    fn map(pages: usize) -> io::Result<Memory> {
+        if pages == 0 {
+            return Ok(Memory {
+                base: std::ptr::null_mut(),
+                pages,
+            });
+        }
+        // SAFETY: a fresh private anonymous mapping.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                pages * PAGE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Memory {
+            base: ptr.cast(),
+            pages,
+        })
+    }
+
+    fn fill(&self, page: usize, seed: Option<u64>) {
+        assert!(page < self.pages);
+        for w in 0..WORDS {
+            let value = seed.map_or(0, |s| word(s, w));
+            // SAFETY: page < pages and w < WORDS: inside the mapping.
+            unsafe { self.base.add(page * WORDS + w).write_volatile(value) };
+        }
+    }
+
+    fn holds(&self, page: usize, seed: Option<u64>) -> bool {
+        (0..WORDS).all(|w| {
+            // SAFETY: as in fill.
+            let v = unsafe { self.base.add(page * WORDS + w).read_volatile() };
+            v == seed.map_or(0, |s| word(s, w))
+        })
+    }
+}
+
+/// What each page must hold: `None` is zeros.
+struct Expected {
+    memory: Memory,
+    seeds: Vec<Option<u64>>,
+}
+
+/// Runs one workload process: fills memory, prints `ready`, then answers `verify` (`ok` or
+/// `mismatch PAGE`) and `exit` on stdin until stdin closes. With `mergeable` it marks its own
+/// memory MADV_MERGEABLE (the ksmd configurations).
+pub fn serve(profile: &Profile, index: u32, mergeable: bool) -> io::Result<()> {
+    let (dup, zero, unique, volatile, fork) = (
+        Profile::pages(profile.duplicate_mib),
+        Profile::pages(profile.zero_mib),
+        Profile::pages(profile.unique_mib),
+        Profile::pages(profile.volatile_mib),
+        Profile::pages(profile.fork_mib),
+    );
+    let total = dup + zero + unique + volatile + fork;
+    let memory = Memory::map(total)?;
+    let mut seeds = Vec::with_capacity(total);
+    let me = u64::from(index + 1) << 32;
+    seeds.extend((0..dup).map(|p| Some(p as u64)));
+    seeds.extend((0..zero).map(|_| None));
+    seeds.extend((0..unique).map(|p| Some(me + p as u64)));
+    seeds.extend((0..volatile).map(|p| Some(me + (1 << 24) + p as u64)));
+    seeds.extend((0..fork).map(|p| Some(me + (2 << 24) + p as u64)));
+    for (page, seed) in seeds.iter().enumerate() {
+        memory.fill(page, *seed);
+    }
+    if fork > 0 {
+        // Only the fork region is shared with the child: the rest is not inherited.
+        let private = (total - fork) * PAGE;
+        // SAFETY: madvise on our own mapping.
+        if private > 0
+            && unsafe { libc::madvise(memory.base.cast(), private, libc::MADV_DONTFORK) } != 0
+        {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: the child only sleeps until its parent dies; no locks are held here.
+        match unsafe { libc::fork() } {
+            -1 => return Err(io::Error::last_os_error()),
+            // SAFETY: prctl and pause take no pointers.
+            0 => unsafe {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                loop {
+                    libc::pause();
+                }
+            },
+            _ => {}
+        }
+        // SAFETY: as above.
+        if private > 0
+            && unsafe { libc::madvise(memory.base.cast(), private, libc::MADV_DOFORK) } != 0
+        {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    if mergeable && total > 0 {
+        // SAFETY: madvise on our own mapping.
+        if unsafe { libc::madvise(memory.base.cast(), total * PAGE, libc::MADV_MERGEABLE) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    let expected = Arc::new(Mutex::new(Expected { memory, seeds }));
+    if volatile > 0 && profile.volatile_pages_per_sec > 0 {
+        let expected = expected.clone();
+        let (first, rate, same) = (
+            dup + zero + unique,
+            profile.volatile_pages_per_sec,
+            profile.same_value_percent,
+        );
+        std::thread::spawn(move || {
+            let started = Instant::now();
+            let mut written: u64 = 0;
+            loop {
+                // Keep to the rate: write what is due, then sleep a little.
+                let due = (started.elapsed().as_secs_f64() * rate as f64) as u64;
+                while written < due {
+                    let page = first + (written as usize % volatile);
+                    let mut e = expected.lock().unwrap_or_else(|p| p.into_inner());
+                    let seed = if written % 100 < same {
+                        e.seeds[page]
+                    } else {
+                        Some(me + (3 << 24) + written)
+                    };
+                    e.memory.fill(page, seed);
+                    e.seeds[page] = seed;
+                    written += 1;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        });
+    }
+    let mut out = io::stdout().lock();
+    writeln!(out, "ready")?;
+    out.flush()?;
+    for line in io::stdin().lock().lines() {
+        let reply = match line?.trim() {
+            "verify" => {
+                let e = expected.lock().unwrap_or_else(|p| p.into_inner());
+                match (0..e.seeds.len()).find(|&p| !e.memory.holds(p, e.seeds[p])) {
+                    None => "ok".to_string(),
+                    Some(page) => format!("mismatch {page}"),
+                }
+            }
+            "exit" => break,
+            other => format!("error unknown command `{other}`"),
+        };
+        writeln!(out, "{reply}")?;
+        out.flush()?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn named_profiles_exist_and_files_are_checked() {
+        for name in ["quick", "static", "mixed", "large"] {
+            assert!(Profile::named(name).is_some(), "{name}");
+        }
+        assert!(Profile::load("no-such-profile")
+            .unwrap_err()
+            .contains("neither a profile name"));
+        let path = std::env::temp_dir().join(format!("rksm-profile-{}.json", std::process::id()));
+        std::fs::write(&path, r#"{"processes": 2, "duplicate_mib": 1}"#).unwrap();
+        assert!(Profile::load(path.to_str().unwrap())
+            .unwrap_err()
+            .contains("missing field"));
+        let mut full = serde_json::to_value(Profile::named("quick").unwrap()).unwrap();
+        std::fs::write(&path, full.to_string()).unwrap();
+        assert_eq!(
+            Profile::load(path.to_str().unwrap()).unwrap(),
+            Profile::named("quick").unwrap()
+        );
+        full["colour"] = "blue".into();
+        std::fs::write(&path, full.to_string()).unwrap();
+        assert!(Profile::load(path.to_str().unwrap())
+            .unwrap_err()
+            .contains("colour"));
+        std::fs::remove_file(path).unwrap();
+    }
+
+    #[test]
+    fn achievable_sharing_counts_copies_minus_kept_pages() {
+        let p = Profile {
+            processes: 4,
+            duplicate_mib: 1,
+            zero_mib: 1,
+            unique_mib: 5,
+            volatile_mib: 5,
+            volatile_pages_per_sec: 1,
+            same_value_percent: 0,
+            fork_mib: 5,
+        };
+        // 256 duplicate pages x 3 extra copies; 1024 zero pages sharing ceil(1024/256) = 4 KSM pages.
+        assert_eq!(p.achievable_sharing(256), 256 * 3 + 1020);
+    }
+}
