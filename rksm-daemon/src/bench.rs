@@ -421,17 +421,30 @@ fn median_f64(mut v: Vec<f64>) -> f64 {
 
 /// The median run of several (by pages_sharing, then time to 90%), with every numeric field
 /// replaced by its median; integrity holds only if it held in every run.
-pub fn median_of(runs: Vec<RunResult>) -> RunResult {
+pub fn median_of(mut runs: Vec<RunResult>) -> RunResult {
+    // The run whose pages_sharing is the median supplies the time series.
+    runs.sort_by_key(|r| r.pages_sharing);
     let mut typical = runs[runs.len() / 2].clone();
-    typical.pages_sharing = median_u64(runs.iter().map(|r| r.pages_sharing).collect());
-    typical.pages_hashed = median_u64(runs.iter().map(|r| r.pages_hashed).collect());
-    typical.cpu_seconds = median_f64(runs.iter().map(|r| r.cpu_seconds).collect());
-    typical.ksmd_cpu_seconds = median_f64(runs.iter().map(|r| r.ksmd_cpu_seconds).collect());
-    typical.pages_unshared = median_u64(runs.iter().map(|r| r.pages_unshared).collect());
-    let reached: Vec<f64> = runs.iter().filter_map(|r| r.seconds_to_90pct).collect();
-    typical.seconds_to_90pct = (reached.len() * 2 > runs.len()).then(|| median_f64(reached));
-    let cpu: Vec<f64> = runs.iter().filter_map(|r| r.cpu_to_90pct).collect();
-    typical.cpu_to_90pct = (cpu.len() * 2 > runs.len()).then(|| median_f64(cpu));
+    let u = |f: fn(&RunResult) -> u64| median_u64(runs.iter().map(f).collect());
+    let f = |f: fn(&RunResult) -> f64| median_f64(runs.iter().map(f).collect());
+    let some = |f: fn(&RunResult) -> Option<f64>| {
+        let values: Vec<f64> = runs.iter().filter_map(f).collect();
+        (values.len() * 2 > runs.len()).then(|| median_f64(values))
+    };
+    typical.pages_sharing = u(|r| r.pages_sharing);
+    typical.pages_hashed = u(|r| r.pages_hashed);
+    typical.pages_unshared = u(|r| r.pages_unshared);
+    typical.cpu_seconds = f(|r| r.cpu_seconds);
+    typical.ksmd_cpu_seconds = f(|r| r.ksmd_cpu_seconds);
+    typical.seconds_to_90pct = some(|r| r.seconds_to_90pct);
+    typical.cpu_to_90pct = some(|r| r.cpu_to_90pct);
+    typical.checksum_ns_per_page = some(|r| r.checksum_ns_per_page);
+    typical.cow_breaks = typical.cow_breaks.map(|_| u(|r| r.cow_breaks.unwrap_or(0)));
+    typical.unshared_per_sharing = if typical.pages_sharing > 0 {
+        typical.pages_unshared as f64 / typical.pages_sharing as f64
+    } else {
+        0.0
+    };
     typical.integrity_ok = runs.iter().all(|r| r.integrity_ok);
     typical
 }
@@ -481,8 +494,8 @@ pub fn verdicts(runs: &[RunResult]) -> Vec<String> {
         )),
         _ => lines.push("NOT MEASURED: rksm ebpf or ksmd-tuned did not reach 90% of the achievable savings within the run".into()),
     }
-    match (best_rksm, find("ksmd", "xxh64")) {
-        (Some((_, t)), Some(k)) => match k.seconds_to_90pct {
+    if let (Some((_, t)), Some(k)) = (best_rksm, find("ksmd", "xxh64")) {
+        match k.seconds_to_90pct {
             Some(tk) => lines.push(format!(
                 "{} rksm ebpf reached 90% in {t:.1} s, ksmd at default settings in {tk:.1} s: {:.1}x sooner (target at least 5x)",
                 if tk >= 5.0 * t { "MET:" } else { "NOT MET:" },
@@ -496,8 +509,7 @@ pub fn verdicts(runs: &[RunResult]) -> Vec<String> {
                     run / t.max(1e-9)
                 ))
             }
-        },
-        _ => {}
+        }
     }
     lines
 }
@@ -560,7 +572,7 @@ pub fn svg(runs: &[RunResult]) -> String {
         .flat_map(|r| r.samples.iter())
         .map(|s| s.rksm_cpu + s.ksmd_cpu)
         .fold(0.01, f64::max);
-    let mut out = format!("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{}\" font-family=\"sans-serif\" font-size=\"12\">\n", W + 220.0, 2.0 * H + 80.0);
+    let mut out = format!("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{}\" font-family=\"sans-serif\" font-size=\"12\">\n", W + 220.0, 2.0 * H + 100.0);
     let panel = |out: &mut String,
                  top: f64,
                  title: &str,
@@ -602,9 +614,9 @@ pub fn svg(runs: &[RunResult]) -> String {
     );
     out.push_str(&format!(
         "<text x=\"60\" y=\"{}\">0 s</text><text x=\"{}\" y=\"{}\">{t_max:.0} s</text>\n",
-        2.0 * H + 88.0,
+        2.0 * H + 92.0,
         W + 30.0,
-        2.0 * H + 88.0
+        2.0 * H + 92.0
     ));
     for (i, r) in runs.iter().enumerate() {
         out.push_str(&format!(
@@ -692,9 +704,11 @@ mod tests {
             run("ebpf", "xxh64", 5, Some(2.0), Some(2.0)),
         ];
         runs[1].integrity_ok = false;
+        runs[0].pages_unshared = 500;
         let m = median_of(runs);
         assert_eq!(m.pages_hashed, 5);
         assert_eq!(m.seconds_to_90pct, Some(2.0));
+        assert_eq!(m.unshared_per_sharing, 0.01, "recomputed from the medians");
         assert!(!m.integrity_ok);
     }
 

@@ -29,7 +29,7 @@ use crate::{
     ksmd::{self, KsmdError, KsmdOwner},
     merge::{Marker, MergePolicy, Run},
     procfs::ProcfsError,
-    remote::{self, RemoteError},
+    remote::{self, RemoteError, RemoteRefusal},
     scan::{PassReport, ScanConfig, Scanner},
     targets::{Process, SelectionError, TargetSpec},
     tracer::{Tracer, TracerConfig, TracerError},
@@ -292,7 +292,12 @@ pub struct Daemon {
     ksmd: KsmdOwner,
     hub: Option<Rc<RefCell<TracerHub>>>,
     processes: BTreeMap<u32, Process>,
+    /// Processes refused for as long as they live.
     refused: BTreeMap<u32, String>,
+    /// Targets left out of this pass (a passing reason to refuse them).
+    skipped: HashSet<u32>,
+    /// Refusals already counted, so each process counts once per reason.
+    refusals_seen: HashSet<(u32, String)>,
     /// Pages mapped to KSM frames at the last pass, per process.
     merged: HashMap<u32, HashSet<u64>>,
     backoff: Backoff,
@@ -323,7 +328,7 @@ impl Daemon {
             (DirtyMode::Ebpf | DirtyMode::Auto, Some(hub)) => {
                 (DirtyMode::Ebpf, Box::new(EbpfSource::new(hub.clone())))
             }
-            (DirtyMode::Auto, None) if write_protect_works() => {
+            (DirtyMode::Auto, None) if crate::arming::supported() => {
                 (DirtyMode::Pagemap, Box::new(PagemapSource::default()))
             }
             (DirtyMode::Ebpf | DirtyMode::Auto, None) => (DirtyMode::HashOnly, Box::new(HashOnly)),
@@ -355,6 +360,8 @@ impl Daemon {
             hub,
             processes: BTreeMap::new(),
             refused: BTreeMap::new(),
+            skipped: HashSet::new(),
+            refusals_seen: HashSet::new(),
             merged: HashMap::new(),
             backoff: Backoff::default(),
             stats: DaemonStats {
@@ -398,11 +405,29 @@ impl Daemon {
         }
     }
 
+    /// Counts a refusal once per process and reason.
+    fn count_refusal(&mut self, pid: u32, reason: &str, why: &dyn fmt::Display) {
+        if self.refusals_seen.insert((pid, reason.to_string())) {
+            log::warn!("refusing pid {pid}: {why}");
+            *self.stats.targets_refused.entry(reason.into()).or_default() += 1;
+        }
+    }
+
+    /// Refuses `pid` for as long as it lives: it is never touched again.
     fn refuse(&mut self, pid: u32, reason: &str, why: &dyn fmt::Display) {
-        log::warn!("refusing pid {pid}: {why}");
-        *self.stats.targets_refused.entry(reason.into()).or_default() += 1;
+        self.count_refusal(pid, reason, why);
         self.refused.insert(pid, reason.into());
         self.drop_target(pid);
+    }
+
+    /// Refuses `pid` for `reason`, for good if the reason lasts, else for this pass only.
+    fn refuse_remote(&mut self, pid: u32, reason: RemoteRefusal) {
+        if reason.is_lasting() {
+            self.refuse(pid, reason.as_str(), &reason);
+        } else {
+            self.count_refusal(pid, reason.as_str(), &reason);
+            self.skipped.insert(pid);
+        }
     }
 
     fn drop_target(&mut self, pid: u32) {
@@ -440,14 +465,16 @@ impl Daemon {
             }
             Err(e) => log::warn!("refreshing targets: {e}"),
         }
+        self.skipped.clear();
         let pids: Vec<u32> = self.processes.keys().copied().collect();
         for pid in pids {
             if let Err(RemoteError::Refused { reason, .. }) = remote::check_borrowable(pid) {
-                self.refuse(pid, reason.as_str(), &reason);
+                self.refuse_remote(pid, reason);
             }
         }
-        self.refused
-            .retain(|pid, _| std::path::Path::new(&format!("/proc/{pid}")).exists());
+        let alive = |pid: &u32| std::path::Path::new(&format!("/proc/{pid}")).exists();
+        self.refused.retain(|pid, _| alive(pid));
+        self.refusals_seen.retain(|(pid, _)| alive(pid));
     }
 
     /// Runs one pass.
@@ -457,7 +484,13 @@ impl Daemon {
         for &pid in self.processes.keys() {
             self.scanner.set_settled(pid, self.marker.marked(pid));
         }
-        let targets: Vec<&Process> = self.processes.values().collect();
+        // A process skipped this pass (traced, stopped, in a disk wait) is not even read: its
+        // pages could not be marked anyway.
+        let targets: Vec<&Process> = self
+            .processes
+            .values()
+            .filter(|p| !self.skipped.contains(&p.pid()))
+            .collect();
         let report = self.scanner.pass_over(&targets, &mut |_| {});
         let now = self.stats.full_scans;
         let mut summary = PassSummary {
@@ -566,7 +599,7 @@ impl Daemon {
             }
         }
         for (pid, reason) in refusals {
-            self.refuse(pid, reason.as_str(), &reason);
+            self.refuse_remote(pid, reason);
         }
         runs_marked
     }
@@ -660,32 +693,6 @@ impl Daemon {
         }
         stats
     }
-}
-
-/// Whether this kernel supports asynchronous userfaultfd write protection (Linux 6.7+),
-/// tried on a userfaultfd of our own.
-fn write_protect_works() -> bool {
-    // SAFETY: userfaultfd takes flags and returns a new fd or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | 1) };
-    if fd < 0 {
-        return false;
-    }
-    #[repr(C)]
-    struct Api {
-        api: u64,
-        features: u64,
-        ioctls: u64,
-    }
-    let mut api = Api {
-        api: 0xAA,
-        features: (1 << 13) | (1 << 15),
-        ioctls: 0,
-    };
-    // SAFETY: UFFDIO_API on the fd just created, with a correctly laid out argument.
-    let ok = unsafe { libc::ioctl(fd as i32, 0xc018_aa3f, &mut api) } == 0;
-    // SAFETY: closing the fd we created.
-    unsafe { libc::close(fd as i32) };
-    ok
 }
 
 /// Pages in MiB.

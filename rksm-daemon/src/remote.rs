@@ -55,6 +55,12 @@ pub enum RemoteRefusal {
 }
 
 impl RemoteRefusal {
+    /// Whether the reason lasts as long as the process (seccomp cannot be turned off, a vDSO
+    /// does not appear); the others (a tracer, a stop, a disk wait) can pass.
+    pub fn is_lasting(self) -> bool {
+        matches!(self, RemoteRefusal::Seccomp | RemoteRefusal::NoVdso)
+    }
+
     /// Stable short name, used as a counter label.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -211,11 +211,11 @@ pub fn serve(profile: &Profile, index: u32, mergeable: bool) -> io::Result<()> {
     if fork > 0 {
         // Only the fork region is shared with the child: the rest is not inherited.
         let private = (total - fork) * PAGE;
-        // SAFETY: madvise on our own mapping.
-        if private > 0
-            && unsafe { libc::madvise(memory.base.cast(), private, libc::MADV_DONTFORK) } != 0
-        {
-            return Err(io::Error::last_os_error());
+        if private > 0 {
+            // SAFETY: madvise on our own mapping.
+            if unsafe { libc::madvise(memory.base.cast(), private, libc::MADV_DONTFORK) } != 0 {
+                return Err(io::Error::last_os_error());
+            }
         }
         // SAFETY: the child only sleeps until its parent dies; no locks are held here.
         match unsafe { libc::fork() } {
@@ -229,11 +229,12 @@ pub fn serve(profile: &Profile, index: u32, mergeable: bool) -> io::Result<()> {
             },
             _ => {}
         }
-        // SAFETY: as above.
-        if private > 0
-            && unsafe { libc::madvise(memory.base.cast(), private, libc::MADV_DOFORK) } != 0
-        {
-            return Err(io::Error::last_os_error());
+        if private > 0 {
+            // SAFETY: madvise on our own mapping.
+            let rc = unsafe { libc::madvise(memory.base.cast(), private, libc::MADV_DOFORK) };
+            if rc != 0 {
+                return Err(io::Error::last_os_error());
+            }
         }
     }
     if mergeable && total > 0 {

@@ -1,0 +1,155 @@
+//! `rksm workload` and `rksm bench` end to end, on a tiny profile.
+
+use std::{
+    io::{BufRead, BufReader, Write},
+    process::Stdio,
+};
+
+use rksm_tests::{require_root, rksm_command};
+
+fn tiny_profile(test: &str) -> std::path::PathBuf {
+    let path = std::env::temp_dir().join(format!(
+        "rksm-tiny-profile-{}-{test}.json",
+        std::process::id()
+    ));
+    std::fs::write(
+        &path,
+        r#"{"processes": 2, "duplicate_mib": 2, "zero_mib": 1, "unique_mib": 1, "volatile_mib": 1,
+            "volatile_pages_per_sec": 200, "same_value_percent": 50, "fork_mib": 1}"#,
+    )
+    .unwrap();
+    path
+}
+
+#[test]
+fn a_workload_verifies_its_own_memory_while_it_writes() {
+    require_root();
+    let profile = tiny_profile("workload");
+    let mut workload = rksm_command()
+        .args([
+            "workload",
+            "--profile",
+            profile.to_str().unwrap(),
+            "--index",
+            "1",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = workload.stdin.take().unwrap();
+    let mut stdout = BufReader::new(workload.stdout.take().unwrap());
+    let mut line = String::new();
+    stdout.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "ready");
+    for _ in 0..3 {
+        writeln!(stdin, "verify").unwrap();
+        line.clear();
+        stdout.read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), "ok");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    // Its memory is really its own: changing a byte behind its back is caught.
+    let pid = workload.id();
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    let big = maps
+        .lines()
+        .filter(|l| l.ends_with(" 0 ") || l.trim_end().ends_with(" 0"))
+        .filter_map(|l| {
+            let (s, e) = l.split_whitespace().next()?.split_once('-')?;
+            Some((
+                u64::from_str_radix(s, 16).ok()?,
+                u64::from_str_radix(e, 16).ok()?,
+            ))
+        })
+        .find(|(s, e)| e - s == 6 << 20)
+        .expect("the workload's 6 MiB mapping");
+    scribble(pid, big.0 + 4096 * 10);
+    writeln!(stdin, "verify").unwrap();
+    line.clear();
+    stdout.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "mismatch 10");
+    writeln!(stdin, "exit").unwrap();
+    assert!(workload.wait().unwrap().success());
+    std::fs::remove_file(profile).unwrap();
+}
+
+/// Changes one byte of the test's own workload through /proc/PID/mem (root only), to check
+/// that its self-verification notices.
+fn scribble(pid: u32, addr: u64) {
+    use std::os::unix::fs::FileExt;
+    let mem = std::fs::OpenOptions::new()
+        .write(true)
+        .open(format!("/proc/{pid}/mem"))
+        .unwrap();
+    mem.write_at(&[0xAA], addr).unwrap();
+}
+
+#[test]
+fn bench_compares_every_configuration_and_checks_integrity() {
+    require_root();
+    let profile = tiny_profile("bench");
+    let out = std::env::temp_dir().join(format!("rksm-bench-out-{}", std::process::id()));
+    let output = rksm_command()
+        .args([
+            "bench",
+            "--quick",
+            "--seconds",
+            "3",
+            "--json",
+            "--profile",
+            profile.to_str().unwrap(),
+            "--out",
+        ])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let runs = json["runs"].as_array().unwrap();
+    let rows: Vec<(String, String)> = runs
+        .iter()
+        .map(|r| {
+            (
+                r["mode"].as_str().unwrap().to_string(),
+                r["checksum"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    for mode in ["hash-only", "pagemap", "ebpf"] {
+        for checksum in ["xxh64", "crc32c"] {
+            assert!(
+                rows.contains(&(mode.to_string(), checksum.to_string())),
+                "{rows:?}"
+            );
+        }
+    }
+    assert!(rows.iter().any(|r| r.0 == "ksmd") && rows.iter().any(|r| r.0 == "ksmd-tuned"));
+    for run in runs {
+        for key in [
+            "pages_sharing",
+            "pages_hashed",
+            "cpu_seconds",
+            "ksmd_cpu_seconds",
+            "seconds_to_90pct",
+            "cow_breaks",
+            "pages_unshared",
+            "integrity_ok",
+        ] {
+            assert!(run.get(key).is_some(), "{key} missing in {run}");
+        }
+        assert_eq!(run["integrity_ok"], true, "{run}");
+    }
+    // The rksm modes merged the duplicates: 2 processes x 512 duplicate pages.
+    let ebpf = runs.iter().find(|r| r["mode"] == "ebpf").unwrap();
+    assert!(ebpf["pages_sharing"].as_u64().unwrap() >= 512, "{ebpf}");
+    for file in ["report.md", "report.json", "pages_sharing.svg"] {
+        assert!(out.join(file).exists(), "{file} not written");
+    }
+    std::fs::remove_dir_all(out).unwrap();
+    std::fs::remove_file(profile).unwrap();
+}
