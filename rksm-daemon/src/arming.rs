@@ -355,31 +355,27 @@ fn subtract(ranges: &[(u64, u64)], cut: (u64, u64)) -> Vec<(u64, u64)> {
 mod tests {
     use super::*;
 
-    fn vma(start: u64, end: u64) -> Vma {
-        Vma {
-            start,
-            end,
-            perms: *b"rw-p",
-            inode: 0,
-            name: String::new(),
-        }
-    }
-
     #[test]
     fn coverage_survives_splits_and_follows_unmaps() {
         let mut ranges = Vec::new();
         add(&mut ranges, (0x1000, 0x9000));
         // The VMA was split in three by a mergeable run: still covered.
         let split = [
-            vma(0x1000, 0x3000),
-            vma(0x3000, 0x5000),
-            vma(0x5000, 0x9000),
+            Vma::anonymous(0x1000, 0x3000),
+            Vma::anonymous(0x3000, 0x5000),
+            Vma::anonymous(0x5000, 0x9000),
         ];
         assert!(split
             .iter()
             .all(|v| covers(&clip(&ranges, &split), v.start, v.end)));
         // The middle was unmapped: coverage shrinks with it, a new VMA there is not covered.
-        let clipped = clip(&ranges, &[vma(0x1000, 0x3000), vma(0x5000, 0x9000)]);
+        let clipped = clip(
+            &ranges,
+            &[
+                Vma::anonymous(0x1000, 0x3000),
+                Vma::anonymous(0x5000, 0x9000),
+            ],
+        );
         assert_eq!(clipped, [(0x1000, 0x3000), (0x5000, 0x9000)]);
         assert!(!covers(&clipped, 0x3000, 0x5000));
         assert_eq!(

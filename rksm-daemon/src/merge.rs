@@ -70,7 +70,7 @@ impl Default for MergePolicy {
 ///
 /// ```
 /// use rksm::{merge::{coalesce, Run}, procfs::Vma};
-/// let vma = Vma { start: 0x10000, end: 0x20000, perms: *b"rw-p", inode: 0, name: String::new() };
+/// let vma = Vma::anonymous(0x10000, 0x20000);
 /// let runs = coalesce(&[0x10000, 0x11000, 0x14000, 0x1f000], &[vma], 1, 10);
 /// assert_eq!(runs, [Run { start: 0x10000, end: 0x12000 }, Run { start: 0x14000, end: 0x15000 }, Run { start: 0x1f000, end: 0x20000 }]);
 /// ```
@@ -277,19 +277,9 @@ mod tests {
 
     const P: u64 = PAGE_SIZE;
 
-    fn vma(start: u64, end: u64) -> Vma {
-        Vma {
-            start,
-            end,
-            perms: *b"rw-p",
-            inode: 0,
-            name: String::new(),
-        }
-    }
-
     #[test]
     fn runs_never_cross_vmas() {
-        let vmas = [vma(0, 4 * P), vma(4 * P, 8 * P)];
+        let vmas = [Vma::anonymous(0, 4 * P), Vma::anonymous(4 * P, 8 * P)];
         let runs = coalesce(&[2 * P, 3 * P, 4 * P, 5 * P], &vmas, 100, 10);
         assert_eq!(
             runs,
@@ -308,13 +298,13 @@ mod tests {
 
     #[test]
     fn pages_outside_every_vma_are_dropped() {
-        assert_eq!(coalesce(&[100 * P], &[vma(0, 4 * P)], 1, 10), []);
+        assert_eq!(coalesce(&[100 * P], &[Vma::anonymous(0, 4 * P)], 1, 10), []);
     }
 
     #[test]
     fn the_gap_widens_until_the_budget_holds() {
         let pages: Vec<u64> = (0..100).map(|i| i * 4 * P).collect();
-        let vmas = [vma(0, 400 * P)];
+        let vmas = [Vma::anonymous(0, 400 * P)];
         assert_eq!(
             coalesce(&pages, &vmas, 2, 1000).len(),
             100,
@@ -389,7 +379,7 @@ mod tests {
             max_new_runs: 100,
             max_map_count: 1000,
         });
-        let vmas = [vma(0, 100 * P)];
+        let vmas = [Vma::anonymous(0, 100 * P)];
         let pages: Vec<u64> = (0..50).map(|i| i * 2 * P).collect();
         assert_eq!(
             marker.plan(1, &pages, &vmas, 499).len(),

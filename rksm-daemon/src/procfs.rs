@@ -55,6 +55,18 @@ pub struct Vma {
 }
 
 impl Vma {
+    /// A private, anonymous, writable VMA from `start` to `end`, as the kernel would list an
+    /// anonymous mmap.
+    pub fn anonymous(start: u64, end: u64) -> Vma {
+        Vma {
+            start,
+            end,
+            perms: *b"rw-p",
+            inode: 0,
+            name: String::new(),
+        }
+    }
+
     /// Number of pages.
     pub fn pages(&self) -> u64 {
         (self.end - self.start) / PAGE_SIZE

@@ -672,16 +672,6 @@ impl Scanner {
 mod tests {
     use super::*;
 
-    fn vma(start: u64, end: u64) -> Vma {
-        Vma {
-            start,
-            end,
-            perms: *b"rw-p",
-            inode: 0,
-            name: String::new(),
-        }
-    }
-
     #[test]
     fn checksums_follow_vmas_that_grow_shrink_and_split() {
         let p = PAGE_SIZE;
@@ -709,10 +699,10 @@ mod tests {
                 checksums: vec![1, 2, 3, 4],
             },
         );
-        assert_eq!(same.take_checksums(&vma(0, 4 * p)), [1, 2, 3, 4]);
+        assert_eq!(same.take_checksums(&Vma::anonymous(0, 4 * p)), [1, 2, 3, 4]);
         // Grown across a gap into the next VMA, and shifted: copied page by page.
         assert_eq!(
-            state.take_checksums(&vma(2 * p, 10 * p)),
+            state.take_checksums(&Vma::anonymous(2 * p, 10 * p)),
             [
                 12,
                 13,
@@ -725,7 +715,10 @@ mod tests {
             ]
         );
         // New memory: nothing known.
-        assert_eq!(state.take_checksums(&vma(20 * p, 21 * p)), [NO_CHECKSUM]);
+        assert_eq!(
+            state.take_checksums(&Vma::anonymous(20 * p, 21 * p)),
+            [NO_CHECKSUM]
+        );
     }
 
     #[test]
