@@ -503,3 +503,59 @@ fn memory_the_target_registered_with_its_own_userfaultfd_is_hashed_every_pass() 
     daemon.finish();
     assert!(child.verify(own, 0, 64, 41) && child.verify(plain, 0, 64, 42));
 }
+
+#[test]
+fn after_sigkill_no_target_is_left_stopped_and_the_next_start_restores_ksmd() {
+    require_root();
+    let _turn = one_at_a_time();
+    let before = ksmd_settings();
+    let mut child = TestChild::spawn();
+    let r = child.map(256);
+    child.write(r, 0, 256, 17);
+    let pid = child.pid().to_string();
+    let mut rksm = rksm_command()
+        .args([
+            "daemon",
+            "--pid",
+            &pid,
+            "--interval",
+            "0.05",
+            "--dirty",
+            "ebpf",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    assert!(
+        wait_for(Duration::from_secs(10), || ksmd_settings().0 == "1"),
+        "rksm did not take ksmd over"
+    );
+    // Let it run a few passes (and remote calls), then kill it without warning.
+    std::thread::sleep(Duration::from_millis(300));
+    rksm.kill().unwrap();
+    rksm.wait().unwrap();
+    assert!(
+        std::path::Path::new(rksm::ksmd::STATE_PATH).exists(),
+        "no record of ksmd's settings"
+    );
+    assert!(wait_for(Duration::from_secs(5), || proc_status(
+        child.pid(),
+        "State:"
+    )
+    .starts_with('S')));
+    assert_eq!(proc_status(child.pid(), "TracerPid:"), "0");
+    assert!(child.verify(r, 0, 256, 17), "memory changed");
+
+    let status = rksm_command()
+        .args(["daemon", "--pid", &pid, "--passes", "1"])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert_eq!(
+        ksmd_settings(),
+        before,
+        "ksmd's settings from before the killed rksm are not back"
+    );
+    assert!(!std::path::Path::new(rksm::ksmd::STATE_PATH).exists());
+}

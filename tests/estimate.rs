@@ -434,3 +434,32 @@ fn all_covers_user_processes_but_not_rksm_and_min_age_filters() {
     assert_eq!(output.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&output.stderr).contains("no process matches"));
 }
+
+#[test]
+fn without_privileges_rksm_says_which_capabilities_are_missing() {
+    require_root();
+    let rksm = rksm_tests::built_binary("rksm");
+    for (args, says) in [
+        (
+            &["estimate", "--pid", "1"][..],
+            "missing CAP_SYS_PTRACE, CAP_SYS_ADMIN",
+        ),
+        (
+            &["daemon", "--pid", "1"],
+            "missing CAP_SYS_PTRACE, CAP_SYS_ADMIN, CAP_BPF, CAP_PERFMON",
+        ),
+        (&["trace", "--pid", "1"], "missing CAP_BPF, CAP_PERFMON"),
+    ] {
+        // As nobody, with no capabilities left.
+        let output = Command::new("setpriv")
+            .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
+            .arg(&rksm)
+            .args(args)
+            .output()
+            .expect("setpriv (util-linux)");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{args:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{stderr}");
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
+}

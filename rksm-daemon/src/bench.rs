@@ -202,6 +202,7 @@ fn ksm_counter(name: &str) -> u64 {
 pub fn settle() {
     let owner = KsmdOwner::take(
         Path::new(ksmd::KSM_SYSFS),
+        Path::new(ksmd::STATE_PATH),
         KsmdSettings {
             run: 1,
             pages_to_scan: 10_000,
@@ -255,6 +256,7 @@ pub fn run_once(
             Some(
                 KsmdOwner::take(
                     Path::new(ksmd::KSM_SYSFS),
+                    Path::new(ksmd::STATE_PATH),
                     KsmdSettings {
                         run: 1,
                         pages_to_scan: 100,
@@ -269,6 +271,7 @@ pub fn run_once(
             Some(
                 KsmdOwner::take(
                     Path::new(ksmd::KSM_SYSFS),
+                    Path::new(ksmd::STATE_PATH),
                     ksmd::pace(mergeable_pages, 1.0, 20),
                 )
                 .map_err(|e| e.to_string())?,

@@ -96,6 +96,8 @@ pub struct DaemonConfig {
     pub checksum: ChecksumKind,
     /// Where ksmd's sysfs files are.
     pub ksm_root: PathBuf,
+    /// Where the settings found at take-over are kept until they are restored.
+    pub ksm_state: PathBuf,
     /// Marking policy.
     pub policy: MergePolicy,
     /// How long ksmd should take to sweep the marked set.
@@ -113,6 +115,7 @@ impl Default for DaemonConfig {
             dirty: DirtyMode::Auto,
             checksum: ChecksumKind::Xxh64,
             ksm_root: PathBuf::from(ksmd::KSM_SYSFS),
+            ksm_state: PathBuf::from(ksmd::STATE_PATH),
             policy: MergePolicy::default(),
             ksmd_sweep: Duration::from_millis(500),
             ksmd_sleep_millisecs: 20,
@@ -346,6 +349,7 @@ impl Daemon {
         )?;
         let ksmd = KsmdOwner::take(
             &config.ksm_root,
+            &config.ksm_state,
             ksmd::pace(
                 0,
                 config.ksmd_sweep.as_secs_f64(),

@@ -15,6 +15,11 @@ use std::{
 /// Where the kernel exposes KSM.
 pub const KSM_SYSFS: &str = "/sys/kernel/mm/ksm";
 
+/// Where the settings found at take-over are kept while rksm owns ksmd, so that a start after
+/// an rksm that died without restoring them (SIGKILL, a crash, a power cut of the process)
+/// can still put them back.
+pub const STATE_PATH: &str = "/run/rksm/ksmd-settings";
+
 /// Errors with ksmd's sysfs files.
 #[derive(Debug, thiserror::Error)]
 pub enum KsmdError {
@@ -111,23 +116,51 @@ fn write_settings(root: &Path, s: KsmdSettings) -> Result<(), KsmdError> {
 #[derive(Debug)]
 pub struct KsmdOwner {
     root: PathBuf,
+    state: PathBuf,
     saved: KsmdSettings,
     current: KsmdSettings,
     restored: bool,
 }
 
 impl KsmdOwner {
-    /// Saves ksmd's settings under `root` and applies `wanted`.
-    pub fn take(root: &Path, wanted: KsmdSettings) -> Result<Self, KsmdError> {
-        let saved = read_settings(root)?;
+    /// Saves ksmd's settings under `root` (to `state` as well) and applies `wanted`. If
+    /// `state` exists, an earlier owner died without restoring: the settings it saved are the
+    /// ones to put back, not the ones it left in force.
+    pub fn take(root: &Path, state: &Path, wanted: KsmdSettings) -> Result<Self, KsmdError> {
+        let in_force = read_settings(root)?;
+        let saved = match read_state(state) {
+            Some(left) => {
+                log::warn!(
+                    "{} holds ksmd's settings from an rksm that did not exit cleanly; they will be restored: run={} pages_to_scan={} sleep_millisecs={}",
+                    state.display(),
+                    left.run,
+                    left.pages_to_scan,
+                    left.sleep_millisecs
+                );
+                left
+            }
+            None => in_force,
+        };
+        write_state(state, saved)?;
         let mut owner = KsmdOwner {
             root: root.into(),
+            state: state.into(),
             saved,
-            current: saved,
+            current: in_force,
             restored: false,
         };
         owner.set(wanted)?;
         Ok(owner)
+    }
+
+    /// Puts back settings a dead owner left in `state`, if any; returns whether it did.
+    pub fn recover(root: &Path, state: &Path) -> Result<bool, KsmdError> {
+        let Some(left) = read_state(state) else {
+            return Ok(false);
+        };
+        write_settings(root, left)?;
+        let _ = fs::remove_file(state);
+        Ok(true)
     }
 
     /// The settings found when rksm took over.
@@ -159,7 +192,10 @@ impl KsmdOwner {
             return Ok(());
         }
         self.restored = true;
-        write_settings(&self.root, self.saved)
+        write_settings(&self.root, self.saved)?;
+        // Only once they are back is the record of them no longer needed.
+        let _ = fs::remove_file(&self.state);
+        Ok(())
     }
 }
 
@@ -169,6 +205,34 @@ impl Drop for KsmdOwner {
             log::error!("restoring ksmd's settings: {e}");
         }
     }
+}
+
+fn read_state(state: &Path) -> Option<KsmdSettings> {
+    let text = fs::read_to_string(state).ok()?;
+    let mut numbers = text.split_whitespace().map(|w| w.parse::<u64>().ok());
+    Some(KsmdSettings {
+        run: numbers.next()??,
+        pages_to_scan: numbers.next()??,
+        sleep_millisecs: numbers.next()??,
+    })
+}
+
+fn write_state(state: &Path, s: KsmdSettings) -> Result<(), KsmdError> {
+    let io = |source| KsmdError::Io {
+        path: state.into(),
+        source,
+    };
+    if let Some(dir) = state.parent() {
+        fs::create_dir_all(dir).map_err(io)?;
+    }
+    // Written to a temporary file and renamed, so a crash never leaves half a record.
+    let tmp = state.with_extension("tmp");
+    fs::write(
+        &tmp,
+        format!("{} {} {}\n", s.run, s.pages_to_scan, s.sleep_millisecs),
+    )
+    .map_err(io)?;
+    fs::rename(&tmp, state).map_err(io)
 }
 
 /// How fast ksmd should go to sweep `marked_pages` in about `sweep_secs`, waking every
@@ -205,6 +269,60 @@ mod tests {
         read_settings(dir).unwrap()
     }
 
+    fn state(dir: &Path) -> PathBuf {
+        dir.join("saved-by-rksm")
+    }
+
+    #[test]
+    fn a_dead_owners_saved_settings_win_over_what_it_left_in_force() {
+        let dir = fake_sysfs("dead", 0, 100, 20);
+        let first = KsmdOwner::take(&dir, &state(&dir), pace(50_000, 1.0, 20)).unwrap();
+        assert!(state(&dir).exists());
+        std::mem::forget(first); // killed: nothing restored
+        assert_eq!(on_disk(&dir).run, 1);
+        let second = KsmdOwner::take(&dir, &state(&dir), pace(10, 1.0, 20)).unwrap();
+        assert_eq!(
+            second.saved(),
+            KsmdSettings {
+                run: 0,
+                pages_to_scan: 100,
+                sleep_millisecs: 20
+            }
+        );
+        second.restore().unwrap();
+        assert_eq!(
+            on_disk(&dir),
+            KsmdSettings {
+                run: 0,
+                pages_to_scan: 100,
+                sleep_millisecs: 20
+            }
+        );
+        assert!(!state(&dir).exists(), "the record outlived the restore");
+        fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn recover_puts_back_what_a_dead_owner_saved() {
+        let dir = fake_sysfs("recover", 1, 100, 20);
+        assert!(
+            !KsmdOwner::recover(&dir, &state(&dir)).unwrap(),
+            "nothing to recover"
+        );
+        std::mem::forget(KsmdOwner::take(&dir, &state(&dir), pace(1, 1.0, 7)).unwrap());
+        assert_eq!(on_disk(&dir).sleep_millisecs, 7);
+        assert!(KsmdOwner::recover(&dir, &state(&dir)).unwrap());
+        assert_eq!(
+            on_disk(&dir),
+            KsmdSettings {
+                run: 1,
+                pages_to_scan: 100,
+                sleep_millisecs: 20
+            }
+        );
+        fs::remove_dir_all(dir).unwrap();
+    }
+
     #[test]
     fn settings_are_applied_then_restored_exactly() {
         let dir = fake_sysfs("applied", 0, 100, 20);
@@ -213,7 +331,7 @@ mod tests {
             pages_to_scan: 5000,
             sleep_millisecs: 10,
         };
-        let owner = KsmdOwner::take(&dir, wanted).unwrap();
+        let owner = KsmdOwner::take(&dir, &state(&dir), wanted).unwrap();
         assert_eq!(on_disk(&dir), wanted);
         assert_eq!(
             owner.saved(),
@@ -239,7 +357,7 @@ mod tests {
     fn dropping_the_owner_restores_too() {
         let dir = fake_sysfs("dropped", 1, 1234, 50);
         {
-            let mut owner = KsmdOwner::take(&dir, pace(10_000, 1.0, 20)).unwrap();
+            let mut owner = KsmdOwner::take(&dir, &state(&dir), pace(10_000, 1.0, 20)).unwrap();
             owner
                 .set(KsmdSettings {
                     run: 1,
@@ -265,6 +383,7 @@ mod tests {
         let dir = fake_sysfs("run2", 0, 100, 20);
         let owner = KsmdOwner::take(
             &dir,
+            &state(&dir),
             KsmdSettings {
                 run: 2,
                 pages_to_scan: 100,
@@ -279,7 +398,12 @@ mod tests {
 
     #[test]
     fn absent_ksm_is_a_clear_error() {
-        let err = KsmdOwner::take(Path::new("/nonexistent/ksm"), pace(1, 1.0, 20)).unwrap_err();
+        let err = KsmdOwner::take(
+            Path::new("/nonexistent/ksm"),
+            Path::new("/nonexistent/state"),
+            pace(1, 1.0, 20),
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("KSM is not available"), "{err}");
     }
 

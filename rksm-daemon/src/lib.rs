@@ -12,6 +12,7 @@
 
 pub mod arming;
 pub mod bench;
+pub mod caps;
 pub mod checksum;
 pub mod daemon;
 pub mod dirty;

@@ -41,8 +41,17 @@ enum Command {
     Workload(bench::WorkloadArgs),
 }
 
-/// Runs the parsed command.
+/// Runs the parsed command, after checking that rksm has the privileges it needs for it.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
+    use rksm::caps::{require, Capability::*};
+    match &cli.command {
+        Command::Trace(_) => require(&[Bpf, Perfmon])?,
+        Command::Estimate(_) => require(&[SysPtrace, SysAdmin])?,
+        Command::Daemon(_) | Command::Run(_) | Command::Bench(_) => {
+            require(&[SysPtrace, SysAdmin, Bpf, Perfmon])?
+        }
+        Command::Workload(_) => {}
+    }
     match cli.command {
         Command::Trace(args) => trace::run(args),
         Command::Estimate(args) => estimate::run(args),
