@@ -258,7 +258,9 @@ pub fn serve(profile: &Profile, index: u32, mergeable: bool) -> io::Result<()> {
                 // Keep to the rate: write what is due, then sleep a little.
                 let due = (started.elapsed().as_secs_f64() * rate as f64) as u64;
                 while written < due {
-                    let page = first + (written as usize % volatile);
+                    // Pages in a scrambled order, so writes hit merged and unmerged pages alike.
+                    let page = first
+                        + (written.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 17) as usize % volatile;
                     let mut e = expected.lock().unwrap_or_else(|p| p.into_inner());
                     let seed = if written % 100 < same {
                         e.seeds[page]
