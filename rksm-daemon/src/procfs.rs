@@ -351,6 +351,55 @@ mod tests {
         assert!(entries[index as usize].present());
     }
 
+    proptest::proptest! {
+        /// Whatever /proc hands over (or a fuzzer invents), parsing never panics, and what it
+        /// accepts is a well-formed, page-aligned, non-empty range.
+        #[test]
+        fn maps_parsing_never_panics(line in "\\PC*") {
+            if let Some(vma) = Vma::parse(&line) {
+                proptest::prop_assert!(vma.start < vma.end && vma.start % PAGE_SIZE == 0 && vma.end % PAGE_SIZE == 0);
+            }
+        }
+
+        /// Lines in the kernel's format come back field for field.
+        #[test]
+        fn well_formed_maps_lines_round_trip(
+            start in 0u64..(1 << 35), pages in 1u64..1_000_000, w in proptest::bool::ANY,
+            inode in 0u64..10_000, name in "(|\\[heap\\]|\\[stack\\]|\\[anon:[a-z ]{1,10}\\]|/[a-z/ ]{1,20})",
+        ) {
+            let (s, e) = (start * PAGE_SIZE, (start + pages) * PAGE_SIZE);
+            let perms = if w { "rw-p" } else { "r--p" };
+            let line = format!("{s:x}-{e:x} {perms} 00000000 00:00 {inode} {name}");
+            let vma = Vma::parse(&line).expect("well-formed");
+            proptest::prop_assert_eq!((vma.start, vma.end, vma.inode), (s, e, inode));
+            proptest::prop_assert_eq!(vma.name.as_str(), name.trim());
+        }
+
+        /// Every pagemap bit pattern decodes without panicking, consistently.
+        #[test]
+        fn pagemap_entries_decode_consistently(raw in proptest::num::u64::ANY) {
+            let e = PagemapEntry(raw);
+            proptest::prop_assert_eq!(e.pfn().is_some(), e.present() && !e.swapped());
+        }
+    }
+
+    #[test]
+    fn every_maps_line_in_the_corpus_parses() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz-corpus");
+        let mut lines = 0;
+        for entry in std::fs::read_dir(dir).unwrap().flatten() {
+            let name = entry.file_name().to_string_lossy().to_string();
+            if !name.starts_with("maps-") {
+                continue;
+            }
+            for line in std::fs::read_to_string(entry.path()).unwrap().lines() {
+                assert!(Vma::parse(line).is_some(), "{name}: {line}");
+                lines += 1;
+            }
+        }
+        assert!(lines >= 20, "corpus too small: {lines} lines");
+    }
+
     #[test]
     fn a_missing_process_is_gone() {
         assert!(matches!(

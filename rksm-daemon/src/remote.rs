@@ -378,6 +378,13 @@ fn zeroed_regs() -> user_regs_struct {
 mod tests {
     use super::*;
 
+    proptest::proptest! {
+        #[test]
+        fn status_parsing_never_panics(status in "\\PC*") {
+            let _ = BorrowStatus::parse(&status).map(|s| s.refusal());
+        }
+    }
+
     #[test]
     fn refusals_come_from_proc_status() {
         let status = |tracer: u32, seccomp: u32, state: &str| {

@@ -496,6 +496,33 @@ mod tests {
         assert_eq!(stat(9, 9, "worker", 'S', 0x400100).refusal(), None);
     }
 
+    proptest::proptest! {
+        /// /proc/PID/stat and status text of any shape: rejected or parsed, never a panic.
+        #[test]
+        fn stat_parsing_never_panics(stat in "\\PC*", status in "\\PC*") {
+            let _ = ProcStat::parse(1, &stat, &status);
+        }
+
+        /// Command names with any characters, parentheses included, come back intact.
+        #[test]
+        fn comm_survives_any_characters(comm in "[^\\n]{0,15}") {
+            let line = format!("7 ({comm}) S 1 1 1 0 -1 64 0 0 0 0 0 0 0 0 20 0 1 0 99 0 0");
+            let parsed = ProcStat::parse(7, &line, "Tgid:\t7\n").expect("well-formed");
+            proptest::prop_assert_eq!(parsed.comm, comm);
+            proptest::prop_assert_eq!(parsed.start_ticks, 99);
+        }
+    }
+
+    #[test]
+    fn the_corpus_stat_and_status_parse() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz-corpus");
+        let read = |name: &str| std::fs::read_to_string(dir.join(name)).unwrap();
+        let init = ProcStat::parse(1, &read("stat-1.txt"), &read("status-1.txt")).unwrap();
+        assert_eq!((init.pid, init.tgid), (1, 1));
+        let kthreadd = ProcStat::parse(2, &read("stat-2.txt"), "Tgid:\t2\n").unwrap();
+        assert_eq!(kthreadd.refusal(), Some(RefusalReason::KernelThread));
+    }
+
     #[test]
     fn malformed_stat_is_rejected_not_panicked_on() {
         assert_eq!(ProcStat::parse(1, "1 (init", "Tgid:\t1"), None);

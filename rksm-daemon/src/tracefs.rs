@@ -274,6 +274,35 @@ print fmt: \"address=%ps ip=%ps error_code=0x%lx\", (void *)REC->address, (void 
         assert!(matches!(err, TracefsError::MissingField("ip")), "{err}");
     }
 
+    proptest::proptest! {
+        /// Any text parses without panicking, and checking it never panics either.
+        #[test]
+        fn format_parsing_never_panics(text in "\\PC*") {
+            let fields = parse_format(&text);
+            let _ = check_layout(&fields);
+        }
+
+        /// Shuffled, duplicated or mangled field lines of the real file never panic.
+        #[test]
+        fn mangled_real_formats_never_panic(cut in 0usize..800, junk in "[a-z:;0-9 \\t]{0,30}") {
+            let mut text = FORMAT_6_18.to_string();
+            let at = cut.min(text.len());
+            let at = (0..=at).rev().find(|&i| text.is_char_boundary(i)).unwrap_or(0);
+            text.insert_str(at, &junk);
+            let _ = check_layout(&parse_format(&text));
+        }
+    }
+
+    #[test]
+    fn the_corpus_formats_parse_and_only_page_fault_user_fits() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz-corpus");
+        let read = |name: &str| std::fs::read_to_string(dir.join(name)).unwrap();
+        check_layout(&parse_format(&read("format-page_fault_user.txt"))).unwrap();
+        let other = parse_format(&read("format-sched_switch.txt"));
+        assert!(other.len() >= 8);
+        assert!(check_layout(&other).is_err());
+    }
+
     #[test]
     fn array_fields_lose_their_brackets() {
         let fields = parse_format("\tfield:char comm[16];\toffset:8;\tsize:16;\tsigned:0;");

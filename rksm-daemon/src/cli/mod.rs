@@ -76,3 +76,43 @@ pub fn init_logging() {
         })
         .init();
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::strategy::Strategy;
+
+    proptest::proptest! {
+        /// Any argument list, built from real flags, values that are almost right, and noise:
+        /// clap either parses it or returns an error; nothing panics.
+        #[test]
+        fn argument_parsing_never_panics(args in proptest::collection::vec(
+            proptest::prop_oneof![
+                proptest::sample::select(vec![
+                    "trace", "estimate", "daemon", "run", "bench", "workload", "--pid", "--cgroup",
+                    "--comm", "--all", "--min-age", "--dirty", "--checksum", "--interval", "--duration",
+                    "--passes", "--json", "--profile", "--quick", "--out", "--", "-h", "0", "1", "-1",
+                    "4294967296", "nan", "inf", "1e999", "xxh64", "crc32c", "ebpf", "(", "",
+                ]).prop_map(String::from),
+                "\\PC{0,12}",
+            ],
+            0..8,
+        )) {
+            let _ = Cli::try_parse_from(std::iter::once("rksm".to_string()).chain(args));
+        }
+    }
+
+    #[test]
+    fn every_subcommand_has_an_example_in_its_help() {
+        use clap::CommandFactory;
+        let mut cli = Cli::command();
+        for sub in cli.get_subcommands_mut() {
+            let help = sub.render_long_help().to_string();
+            assert!(
+                help.contains("Example:"),
+                "{} --help has no example",
+                sub.get_name()
+            );
+        }
+    }
+}
