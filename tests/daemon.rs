@@ -11,7 +11,7 @@ use std::{
 
 use rksm::{
     checksum::ChecksumKind,
-    daemon::{Daemon, DaemonConfig, DaemonStats, DirtyMode},
+    daemon::{Daemon, DaemonConfig, DaemonStats, DirtyMode, DomainPolicy},
     targets::TargetSpec,
 };
 use rksm_tests::{
@@ -29,7 +29,16 @@ fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
 
 /// A daemon over exactly these regions, in `mode`.
 fn daemon_over(regions: &[(u32, Region, u64)], mode: DirtyMode) -> Daemon {
+    daemon_with_domains(regions, mode, DomainPolicy::Uid)
+}
+
+fn daemon_with_domains(
+    regions: &[(u32, Region, u64)],
+    mode: DirtyMode,
+    domain: DomainPolicy,
+) -> Daemon {
     let config = DaemonConfig {
+        domain,
         targets: TargetSpec {
             pids: regions.iter().map(|r| r.0).collect(),
             ..TargetSpec::default()
@@ -558,4 +567,57 @@ fn after_sigkill_no_target_is_left_stopped_and_the_next_start_restores_ksmd() {
         "ksmd's settings from before the killed rksm are not back"
     );
     assert!(!std::path::Path::new(rksm::ksmd::STATE_PATH).exists());
+}
+
+#[test]
+fn identical_pages_of_two_users_are_never_merged_with_each_other_by_default() {
+    require_root();
+    let _turn = one_at_a_time();
+    for (policy, across) in [(DomainPolicy::Uid, false), (DomainPolicy::None, true)] {
+        let mut root = TestChild::spawn();
+        let mut nobody = TestChild::spawn_as_nobody();
+        let nobody_pid = nobody.pid_from_proc();
+        assert_eq!(
+            proc_status(nobody_pid, "Uid:").split_whitespace().next(),
+            Some("65534")
+        );
+        // Each holds 64 pages of one content, the same content in both.
+        let (ra, rb) = (root.map(64), nobody.map(64));
+        root.write(ra, 0, 64, 77);
+        nobody.write(rb, 0, 64, 77);
+        let regions = [(root.pid(), ra, 64), (nobody_pid, rb, 64)];
+        let mut daemon = daemon_with_domains(&regions, DirtyMode::Pagemap, policy);
+        let merged = passes_until(&mut daemon, || {
+            let a = ksm_pages(root.pid(), ra, 64).len();
+            let b = ksm_pages(nobody_pid, rb, 64).len();
+            if across {
+                a == 64 && b == 64
+            } else {
+                a == 64
+            }
+        });
+        // Give ksmd time to do what it should not, then look again.
+        for _ in 0..4 {
+            daemon.wait(Instant::now() + Duration::from_millis(300), &[]);
+            daemon.pass();
+        }
+        daemon.finish();
+        assert!(
+            merged,
+            "{policy}: the first domain's duplicates were not merged"
+        );
+        let b = ksm_pages(nobody_pid, rb, 64).len();
+        if across {
+            assert_eq!(
+                b, 64,
+                "{policy}: one domain for all, so nobody's copies merge too"
+            );
+        } else {
+            assert_eq!(
+                b, 0,
+                "{policy}: nobody's pages were merged with root's content"
+            );
+        }
+        assert!(root.verify(ra, 0, 64, 77) && nobody.verify(rb, 0, 64, 77));
+    }
 }

@@ -85,6 +85,73 @@ impl FromStr for DirtyMode {
     }
 }
 
+/// Which processes may share merged pages with each other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DomainPolicy {
+    /// Processes of the same user (real uid).
+    #[default]
+    Uid,
+    /// Processes of the same cgroup.
+    Cgroup,
+    /// All targets.
+    None,
+}
+
+impl DomainPolicy {
+    /// The name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            DomainPolicy::Uid => "uid",
+            DomainPolicy::Cgroup => "cgroup",
+            DomainPolicy::None => "none",
+        }
+    }
+
+    /// The domain `pid` belongs to (None if /proc no longer says).
+    fn domain_of(self, pid: u32) -> Option<String> {
+        match self {
+            DomainPolicy::None => Some("all".into()),
+            DomainPolicy::Uid => {
+                let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+                let uid = status
+                    .lines()
+                    .find_map(|l| l.strip_prefix("Uid:"))?
+                    .split_whitespace()
+                    .next()?;
+                Some(format!("uid {uid}"))
+            }
+            DomainPolicy::Cgroup => {
+                // The whole membership list: v2's single line, or every v1 hierarchy's.
+                let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+                Some(format!("cgroup {}", cgroups.trim().replace('\n', ";")))
+            }
+        }
+    }
+}
+
+impl fmt::Display for DomainPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// An unknown `--domain` value.
+#[derive(Debug, thiserror::Error)]
+#[error("unknown merge domain `{0}` (expected uid, cgroup or none)")]
+pub struct UnknownDomain(String);
+
+impl FromStr for DomainPolicy {
+    type Err = UnknownDomain;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "uid" => Ok(DomainPolicy::Uid),
+            "cgroup" => Ok(DomainPolicy::Cgroup),
+            "none" => Ok(DomainPolicy::None),
+            other => Err(UnknownDomain(other.into())),
+        }
+    }
+}
+
 /// Everything the daemon is told.
 #[derive(Debug, Clone)]
 pub struct DaemonConfig {
@@ -94,6 +161,8 @@ pub struct DaemonConfig {
     pub dirty: DirtyMode,
     /// Checksum for the gate.
     pub checksum: ChecksumKind,
+    /// Which targets may share merged pages.
+    pub domain: DomainPolicy,
     /// Where ksmd's sysfs files are.
     pub ksm_root: PathBuf,
     /// Where the settings found at take-over are kept until they are restored.
@@ -114,6 +183,7 @@ impl Default for DaemonConfig {
             targets: TargetSpec::default(),
             dirty: DirtyMode::Auto,
             checksum: ChecksumKind::Xxh64,
+            domain: DomainPolicy::Uid,
             ksm_root: PathBuf::from(ksmd::KSM_SYSFS),
             ksm_state: PathBuf::from(ksmd::STATE_PATH),
             policy: MergePolicy::default(),
@@ -306,6 +376,12 @@ pub struct Daemon {
     backoff: Backoff,
     stats: DaemonStats,
     marking_syscalls: u64,
+    /// Each target's merge domain, numbered.
+    domain_of: HashMap<u32, u32>,
+    domain_ids: HashMap<String, u32>,
+    /// Which domain a content (by checksum) is marked in: it is never marked in another, so
+    /// ksmd cannot merge across domains. A checksum collision only makes this stricter.
+    content_owner: HashMap<u64, u32>,
     /// Runs marked in each of the last few passes, newest last.
     recent_marks: std::collections::VecDeque<u64>,
     _lock: std::fs::File,
@@ -374,6 +450,9 @@ impl Daemon {
             },
             marking_syscalls: 0,
             recent_marks: std::collections::VecDeque::new(),
+            domain_of: HashMap::new(),
+            domain_ids: HashMap::new(),
+            content_owner: HashMap::new(),
             _lock: lock,
         };
         daemon.adopt(selection.processes);
@@ -401,10 +480,20 @@ impl Daemon {
             if self.processes.contains_key(&pid) || self.refused.contains_key(&pid) {
                 continue;
             }
+            let Some(domain) = self.config.domain.domain_of(pid) else {
+                continue;
+            };
+            let next = self.domain_ids.len() as u32;
+            let id = *self.domain_ids.entry(domain.clone()).or_insert(next);
+            self.domain_of.insert(pid, id);
+            self.scanner.set_domain(pid, id);
             if let Some(hub) = &self.hub {
                 hub.borrow_mut().track(pid);
             }
-            log::info!("target pid {pid} ({})", process.comm());
+            log::info!(
+                "target pid {pid} ({}), merge domain {domain}",
+                process.comm()
+            );
             self.processes.insert(pid, process);
         }
     }
@@ -436,6 +525,7 @@ impl Daemon {
 
     fn drop_target(&mut self, pid: u32) {
         self.processes.remove(&pid);
+        self.domain_of.remove(&pid);
         self.scanner.forget(pid);
         self.marker.forget(pid);
         self.merged.remove(&pid);
@@ -579,19 +669,41 @@ impl Daemon {
     fn mark(&mut self, report: &PassReport, now: u64) -> u64 {
         let mut runs_marked = 0;
         let mut refusals = Vec::new();
-        for (&pid, pages) in &report.merge_candidates {
+        // Contents already merged somewhere belong to that process's domain.
+        for (pid, sums) in &report.ksm_checksums {
+            if let Some(&domain) = self.domain_of.get(pid) {
+                for &sum in sums {
+                    self.content_owner.entry(sum).or_insert(domain);
+                }
+            }
+        }
+        let domains: HashSet<u32> = self.domain_of.values().copied().collect();
+        let allow_gaps = domains.len() <= 1;
+        // In pid order, so which domain first marks a content does not depend on hashing.
+        let mut candidates: Vec<(&u32, &Vec<(u64, u64)>)> =
+            report.merge_candidates.iter().collect();
+        candidates.sort_unstable_by_key(|(pid, _)| **pid);
+        for (&pid, pages) in candidates {
             let Some(process) = self.processes.get(&pid) else {
                 continue;
             };
             let Some((vmas, vma_count)) = report.vmas.get(&pid) else {
                 continue;
             };
-            let pages: Vec<u64> = pages
-                .iter()
-                .copied()
-                .filter(|&p| !self.backoff.blocks(pid, p, now))
-                .collect();
-            let runs = self.marker.plan(pid, &pages, vmas, *vma_count);
+            let Some(&domain) = self.domain_of.get(&pid) else {
+                continue;
+            };
+            let mut mine = Vec::with_capacity(pages.len());
+            for &(page, sum) in pages {
+                if self.backoff.blocks(pid, page, now) {
+                    continue;
+                }
+                // First domain to mark a content owns it.
+                if *self.content_owner.entry(sum).or_insert(domain) == domain {
+                    mine.push(page);
+                }
+            }
+            let runs = self.marker.plan(pid, &mine, vmas, *vma_count, allow_gaps);
             match self.marker.mark(process, &runs) {
                 Ok(outcome) => {
                     runs_marked += outcome.runs;

@@ -177,16 +177,36 @@ impl Marker {
     }
 
     /// The runs to mark in `pid` for `pages`, leaving out what is marked already, within the
-    /// process's budget; `vma_count` is how many VMAs it has in all.
-    pub fn plan(&self, pid: u32, pages: &[u64], vmas: &[Vma], vma_count: usize) -> Vec<Run> {
+    /// process's budget; `vma_count` is how many VMAs it has in all. Without `allow_gaps` a
+    /// run holds only the given pages (other pages could hold another merge domain's
+    /// contents), and runs over the budget wait for a later pass.
+    pub fn plan(
+        &self,
+        pid: u32,
+        pages: &[u64],
+        vmas: &[Vma],
+        vma_count: usize,
+        allow_gaps: bool,
+    ) -> Vec<Run> {
         let budget = (self.policy.max_map_count / 2).saturating_sub(vma_count as u64) / 2;
         let max_runs = self.policy.max_new_runs.min(budget as usize);
         if max_runs == 0 {
             log::warn!("pid {pid} has {vma_count} VMAs; not splitting more of them");
             return Vec::new();
         }
-        let runs = coalesce(pages, vmas, self.policy.max_gap_pages, max_runs);
-        subtract(&runs, self.marked.get(&pid).map_or(&[][..], Vec::as_slice))
+        let marked = self.marked.get(&pid).map_or(&[][..], Vec::as_slice);
+        if !allow_gaps {
+            let mut sorted = pages.to_vec();
+            sorted.sort_unstable();
+            sorted.dedup();
+            let mut runs = subtract(&coalesce_with_gap(&sorted, vmas, 0), marked);
+            runs.truncate(max_runs);
+            return runs;
+        }
+        subtract(
+            &coalesce(pages, vmas, self.policy.max_gap_pages, max_runs),
+            marked,
+        )
     }
 
     /// Marks `runs` mergeable inside `process`, in one stop of one thread.
@@ -373,6 +393,43 @@ mod tests {
     }
 
     #[test]
+    fn without_gaps_runs_hold_only_the_given_pages_and_wait_beyond_the_budget() {
+        let marker = Marker::new(MergePolicy {
+            max_gap_pages: 8,
+            max_new_runs: 3,
+            max_map_count: 65530,
+        });
+        let vmas = [Vma::anonymous(0, 100 * P)];
+        let pages = [0, P, 3 * P, 6 * P, 9 * P];
+        let runs = marker.plan(1, &pages, &vmas, 10, false);
+        assert_eq!(
+            runs,
+            [
+                Run {
+                    start: 0,
+                    end: 2 * P
+                },
+                Run {
+                    start: 3 * P,
+                    end: 4 * P
+                },
+                Run {
+                    start: 6 * P,
+                    end: 7 * P
+                }
+            ]
+        );
+        assert_eq!(
+            marker.plan(1, &pages, &vmas, 10, true),
+            [Run {
+                start: 0,
+                end: 10 * P
+            }],
+            "with gaps: one run"
+        );
+    }
+
+    #[test]
     fn a_crowded_process_gets_no_new_runs() {
         let marker = Marker::new(MergePolicy {
             max_gap_pages: 0,
@@ -382,11 +439,11 @@ mod tests {
         let vmas = [Vma::anonymous(0, 100 * P)];
         let pages: Vec<u64> = (0..50).map(|i| i * 2 * P).collect();
         assert_eq!(
-            marker.plan(1, &pages, &vmas, 499).len(),
+            marker.plan(1, &pages, &vmas, 499, true).len(),
             0,
             "at half of max_map_count"
         );
-        let runs = marker.plan(1, &pages, &vmas, 480);
+        let runs = marker.plan(1, &pages, &vmas, 480, true);
         assert!(
             (1..=10).contains(&runs.len()),
             "(500 - 480) / 2 runs left: {runs:?}"

@@ -129,8 +129,11 @@ pub struct PassReport {
     /// Wall time of the pass.
     pub seconds: f64,
     /// Per process, the pages whose content was verified equal to another page's, with the
-    /// pages they equal (only with [`ScanConfig::collect_merge_candidates`]).
-    pub merge_candidates: HashMap<u32, Vec<u64>>,
+    /// pages they equal, and the content's checksum (only with
+    /// [`ScanConfig::collect_merge_candidates`]).
+    pub merge_candidates: HashMap<u32, Vec<(u64, u64)>>,
+    /// Per process, the checksums of the contents of its KSM pages.
+    pub ksm_checksums: HashMap<u32, Vec<u64>>,
     /// Per process, the pages mapped to KSM pages.
     pub ksm_pages: HashMap<u32, Vec<u64>>,
     /// Per process, the VMAs scanned and how many VMAs it has in all.
@@ -261,7 +264,11 @@ struct OpenTarget<'a> {
 /// Scans targets pass after pass, remembering checksums in between.
 pub struct Scanner {
     config: ScanConfig,
-    index: Index,
+    /// One index per merge domain: pages of different domains are never compared, so they
+    /// can never be found duplicates of each other.
+    indexes: HashMap<u32, Index>,
+    /// Each process's merge domain (0 unless told otherwise).
+    domains: HashMap<u32, u32>,
     dirty: Box<dyn DirtySource>,
     states: HashMap<u32, ProcessState>,
     kpageflags: KpageFlags,
@@ -272,8 +279,9 @@ pub struct Scanner {
     read_ok: Vec<bool>,
     entries: Vec<PagemapEntry>,
     live: LiveMemory,
-    merge_candidates: HashMap<u32, Vec<u64>>,
+    merge_candidates: HashMap<u32, Vec<(u64, u64)>>,
     ksm_pages: HashMap<u32, Vec<u64>>,
+    ksm_checksums: HashMap<u32, Vec<u64>>,
     /// Per process, ranges already marked mergeable: their clean pages need no comparison.
     settled: HashMap<u32, Vec<(u64, u64)>>,
 }
@@ -282,7 +290,8 @@ impl Scanner {
     /// A scanner with no history. Needs root: PFNs and /proc/kpageflags are root-only.
     pub fn new(config: ScanConfig, dirty: Box<dyn DirtySource>) -> Result<Self, ProcfsError> {
         Ok(Scanner {
-            index: Index::new(config.checksum),
+            indexes: HashMap::new(),
+            domains: HashMap::new(),
             zero_checksum: config.checksum.checksum(&[0u8; PAGE]),
             config,
             dirty,
@@ -295,6 +304,7 @@ impl Scanner {
             live: LiveMemory::default(),
             merge_candidates: HashMap::new(),
             ksm_pages: HashMap::new(),
+            ksm_checksums: HashMap::new(),
             settled: HashMap::new(),
         })
     }
@@ -309,8 +319,15 @@ impl Scanner {
         self.dirty.remote_syscalls()
     }
 
+    /// Puts `pid` in merge domain `domain`: its pages are only ever compared with pages of
+    /// processes in the same domain.
+    pub fn set_domain(&mut self, pid: u32, domain: u32) {
+        self.domains.insert(pid, domain);
+    }
+
     /// Stops keeping anything for `pid` (it is no longer a target).
     pub fn forget(&mut self, pid: u32) {
+        self.domains.remove(&pid);
         self.states.remove(&pid);
         self.dirty.forget(pid);
         self.settled.remove(&pid);
@@ -340,7 +357,9 @@ impl Scanner {
     ) -> PassReport {
         let started = Instant::now();
         let mut report = PassReport::default();
-        self.index.begin_pass();
+        for index in self.indexes.values_mut() {
+            index.begin_pass();
+        }
         self.pfns_seen.clear();
         self.live.open.clear();
 
@@ -401,7 +420,11 @@ impl Scanner {
             self.states.remove(&pid);
             self.dirty.forget(pid);
         }
-        report.top = self.index.top(10);
+        let mut top: Vec<TopContent> = self.indexes.values().flat_map(|i| i.top(10)).collect();
+        top.sort_unstable_by(|a, b| b.copies.cmp(&a.copies).then(a.checksum.cmp(&b.checksum)));
+        top.truncate(10);
+        report.top = top;
+        report.ksm_checksums = std::mem::take(&mut self.ksm_checksums);
         report.merge_candidates = std::mem::take(&mut self.merge_candidates);
         report.ksm_pages = std::mem::take(&mut self.ksm_pages);
         report.seconds = started.elapsed().as_secs_f64();
@@ -620,7 +643,13 @@ impl Scanner {
                         Content::Loaded(bytes) => bytes.iter().all(|&b| b == 0),
                         Content::Zero | Content::Unread | Content::Settled => true,
                     };
-                match self.index.place(
+                let domain = self.domains.get(&pid).copied().unwrap_or(0);
+                let kind = self.config.checksum;
+                let index = self
+                    .indexes
+                    .entry(domain)
+                    .or_insert_with(|| Index::new(kind));
+                match index.place(
                     page,
                     checksum,
                     previous,
@@ -635,11 +664,11 @@ impl Scanner {
                             self.merge_candidates
                                 .entry(pid)
                                 .or_default()
-                                .push(page.addr);
+                                .push((page.addr, checksum));
                             self.merge_candidates
                                 .entry(of.pid)
                                 .or_default()
-                                .push(of.addr);
+                                .push((of.addr, checksum));
                         }
                     }
                     Placement::Volatile => counts.volatile_pages += 1,
@@ -652,6 +681,9 @@ impl Scanner {
                 }
                 if is_zero {
                     counts.zero_pages += 1;
+                }
+                if candidate.ksm {
+                    self.ksm_checksums.entry(pid).or_default().push(checksum);
                 }
                 checksums[candidate.index_in_vma] = checksum;
                 if let Some(known) = self.pfns_seen.get_mut(&candidate.pfn) {

@@ -52,6 +52,24 @@ impl TestChild {
         }
     }
 
+    /// Starts a child running as user `nobody` (65534), without capabilities.
+    pub fn spawn_as_nobody() -> TestChild {
+        let mut child = Command::new("setpriv")
+            .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
+            .arg(built_binary("rksm-testchild"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("setpriv (util-linux)");
+        let stdin = child.stdin.take().expect("piped");
+        let stdout = BufReader::new(child.stdout.take().expect("piped"));
+        TestChild {
+            child: Some(child),
+            stdin,
+            stdout,
+        }
+    }
+
     /// Talks to a testchild started by someone else (`rksm run -- rksm-testchild`) through
     /// that process's stdin and stdout.
     pub fn attach(parent: &mut Child) -> TestChild {

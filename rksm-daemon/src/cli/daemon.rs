@@ -15,7 +15,7 @@ use nix::sys::{
 };
 use rksm::{
     checksum::ChecksumKind,
-    daemon::{mib, Daemon, DaemonConfig, DaemonError, DaemonStats, DirtyMode},
+    daemon::{mib, Daemon, DaemonConfig, DaemonError, DaemonStats, DirtyMode, DomainPolicy},
     targets::TargetSpec,
 };
 
@@ -31,6 +31,10 @@ pub struct DaemonOptions {
     /// Checksum for the gate.
     #[arg(long, value_name = "xxh64|crc32c", default_value = "xxh64")]
     checksum: ChecksumKind,
+    /// Which targets may share merged pages: uid (same user), cgroup (same cgroup) or none
+    /// (all). A content is marked in one domain only, so ksmd cannot merge across domains.
+    #[arg(long, value_name = "uid|cgroup|none", default_value = "uid")]
+    domain: DomainPolicy,
     /// Seconds between passes.
     #[arg(long, value_name = "SECS", default_value_t = 5.0, value_parser = parse_interval)]
     interval: f64,
@@ -150,6 +154,7 @@ fn serve(
         targets: spec,
         dirty: options.dirty,
         checksum: options.checksum,
+        domain: options.domain,
         ..DaemonConfig::default()
     };
     let mut daemon = Daemon::start(config).map_err(|e| match e {
