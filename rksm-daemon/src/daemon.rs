@@ -469,11 +469,6 @@ impl Daemon {
         &self.stats
     }
 
-    /// The live targets.
-    pub fn targets(&self) -> impl Iterator<Item = &Process> {
-        self.processes.values()
-    }
-
     fn adopt(&mut self, processes: Vec<Process>) {
         for process in processes {
             let pid = process.pid();

@@ -168,11 +168,6 @@ impl KsmdOwner {
         self.saved
     }
 
-    /// The settings in force.
-    pub fn current(&self) -> KsmdSettings {
-        self.current
-    }
-
     /// Applies new settings (while owned).
     pub fn set(&mut self, wanted: KsmdSettings) -> Result<(), KsmdError> {
         if wanted != self.current {

@@ -62,11 +62,6 @@ impl ProcMem {
         }
     }
 
-    /// The process this reads.
-    pub fn pid(&self) -> u32 {
-        self.pid
-    }
-
     /// Reads the page at `addr` into `buf`; false if it is not mapped (or the process exited).
     pub fn read_page(&self, addr: u64, buf: &mut [u8]) -> bool {
         matches!(self.file.read_at(&mut buf[..PAGE], addr), Ok(PAGE))

@@ -38,29 +38,24 @@ impl Region {
 impl TestChild {
     /// Starts a child with no memory of its own beyond what a small program has.
     pub fn spawn() -> TestChild {
-        let mut child = Command::new(built_binary("rksm-testchild"))
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("spawning rksm-testchild");
-        let stdin = child.stdin.take().expect("piped");
-        let stdout = BufReader::new(child.stdout.take().expect("piped"));
-        TestChild {
-            child: Some(child),
-            stdin,
-            stdout,
-        }
+        Self::spawn_with(Command::new(built_binary("rksm-testchild")))
     }
 
     /// Starts a child running as user `nobody` (65534), without capabilities.
     pub fn spawn_as_nobody() -> TestChild {
-        let mut child = Command::new("setpriv")
+        let mut setpriv = Command::new("setpriv");
+        setpriv
             .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
-            .arg(built_binary("rksm-testchild"))
+            .arg(built_binary("rksm-testchild"));
+        Self::spawn_with(setpriv)
+    }
+
+    fn spawn_with(mut command: Command) -> TestChild {
+        let mut child = command
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
-            .expect("setpriv (util-linux)");
+            .expect("spawning rksm-testchild");
         let stdin = child.stdin.take().expect("piped");
         let stdout = BufReader::new(child.stdout.take().expect("piped"));
         TestChild {
