@@ -196,3 +196,21 @@ fn traced_and_seccomp_targets_are_refused_and_untouched() {
     assert_eq!(proc_status(pid, "TracerPid:"), "0");
     assert!(asleep(pid));
 }
+
+#[test]
+fn a_target_killed_while_borrowed_is_reported_gone_without_hanging() {
+    require_root();
+    let child = TestChild::spawn();
+    let pid = child.pid();
+    let mut session = RemoteSession::begin(&Process::open(pid).unwrap()).unwrap();
+    assert_eq!(session.syscall(nr::GETPID, &[]).unwrap(), i64::from(pid));
+    // SAFETY: kill with a valid pid and signal.
+    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGKILL) }, 0);
+    match session.syscall(nr::GETPID, &[]) {
+        Err(RemoteError::Gone(p)) => assert_eq!(p, pid),
+        other => panic!("expected Gone, got {other:?}"),
+    }
+    // Letting go of a dead thread is not an error worth more than a log line.
+    let _ = session.finish();
+    drop(child);
+}
