@@ -621,3 +621,44 @@ fn identical_pages_of_two_users_are_never_merged_with_each_other_by_default() {
         assert!(root.verify(ra, 0, 64, 77) && nobody.verify(rb, 0, 64, 77));
     }
 }
+
+#[test]
+fn a_target_that_executes_a_new_program_is_armed_and_merged_again() {
+    require_root();
+    let _turn = one_at_a_time();
+    let mut child = TestChild::spawn();
+    let pid = child.pid();
+    let config = DaemonConfig {
+        targets: TargetSpec {
+            pids: vec![pid],
+            ..TargetSpec::default()
+        },
+        dirty: DirtyMode::Pagemap,
+        ..DaemonConfig::default()
+    };
+    let mut daemon = Daemon::start(config).unwrap();
+    let r = child.map(128);
+    child.write(r, 0, 128, 61);
+    assert!(
+        passes_until(&mut daemon, || ksm_pages(pid, r, 128).len() == 128),
+        "not merged before exec"
+    );
+
+    // Same pid, new program, new memory: rksm must start over with it.
+    assert_eq!(child.command("exec"), "ok");
+    let r = child.map(128);
+    child.write(r, 0, 128, 62);
+    assert!(
+        passes_until(&mut daemon, || ksm_pages(pid, r, 128).len() == 128),
+        "not merged after exec"
+    );
+    // Armed again: a pass after merging skips the new region's clean pages.
+    let before = daemon.stats().pages_skipped_clean;
+    daemon.pass();
+    assert!(
+        daemon.stats().pages_skipped_clean > before,
+        "the exec'd process is no longer write-protected"
+    );
+    daemon.finish();
+    assert!(child.verify(r, 0, 128, 62));
+}

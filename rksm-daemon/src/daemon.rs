@@ -376,6 +376,8 @@ pub struct Daemon {
     backoff: Backoff,
     stats: DaemonStats,
     marking_syscalls: u64,
+    /// Each target's address-space identity when it was adopted (see [`Process::image`]).
+    images: HashMap<u32, Option<(u64, u64, u64)>>,
     /// Each target's merge domain, numbered.
     domain_of: HashMap<u32, u32>,
     domain_ids: HashMap<String, u32>,
@@ -450,6 +452,7 @@ impl Daemon {
             },
             marking_syscalls: 0,
             recent_marks: std::collections::VecDeque::new(),
+            images: HashMap::new(),
             domain_of: HashMap::new(),
             domain_ids: HashMap::new(),
             content_owner: HashMap::new(),
@@ -489,6 +492,7 @@ impl Daemon {
                 "target pid {pid} ({}), merge domain {domain}",
                 process.comm()
             );
+            self.images.insert(pid, process.image());
             self.processes.insert(pid, process);
         }
     }
@@ -520,6 +524,7 @@ impl Daemon {
 
     fn drop_target(&mut self, pid: u32) {
         self.processes.remove(&pid);
+        self.images.remove(&pid);
         self.domain_of.remove(&pid);
         self.scanner.forget(pid);
         self.marker.forget(pid);
@@ -541,6 +546,18 @@ impl Daemon {
             .collect();
         for pid in exited {
             log::info!("pid {pid} exited");
+            self.drop_target(pid);
+        }
+        // A process that exec'd has a new address space: its arming, marks and checksums
+        // describe one that no longer exists. It starts over, as a new target.
+        let exec_d: Vec<u32> = self
+            .processes
+            .iter()
+            .filter(|&(pid, p)| p.image() != self.images.get(pid).copied().flatten())
+            .map(|(&pid, _)| pid)
+            .collect();
+        for pid in exec_d {
+            log::info!("pid {pid} executed a new program; starting over with it");
             self.drop_target(pid);
         }
         match self.config.targets.resolve_again() {

@@ -148,6 +148,20 @@ impl Process {
         Duration::from_secs_f64((uptime_seconds() - started).max(0.0))
     }
 
+    /// Identifies the process's current address space: the executable's inode and where its
+    /// code and stack start (randomised by every exec). When it changes, the process has
+    /// exec'd, and everything rksm knew about its memory is void.
+    pub fn image(&self) -> Option<(u64, u64, u64)> {
+        use std::os::unix::fs::MetadataExt;
+        let exe = fs::metadata(format!("/proc/{}/exe", self.pid)).ok()?.ino();
+        let stat = fs::read_to_string(format!("/proc/{}/stat", self.pid)).ok()?;
+        let mut fields = stat.get(stat.rfind(')')? + 2..)?.split_ascii_whitespace();
+        // Fields 26 (startcode) and 28 (startstack); `fields` starts at field 3.
+        let start_code = fields.nth(23)?.parse().ok()?;
+        let start_stack = fields.nth(1)?.parse().ok()?;
+        Some((exe, start_code, start_stack))
+    }
+
     /// True once the process has exited (its pidfd became readable). Never blocks.
     pub fn has_exited(&self) -> bool {
         let mut pfd = libc::pollfd {

@@ -22,6 +22,7 @@
 //! - `verifyunique ID FIRST COUNT SEED` → the same for pages written with `unique`.
 //! - `verifyfill ID FIRST COUNT BYTE` → the same for pages written with `fill`.
 //! - `pid` → `pid N`.
+//! - `exec` → `ok`, then executes itself again: same pid, fresh memory, no regions.
 //! - `exit` → exits 0.
 //!
 //! Accesses are volatile so the compiler can neither drop nor merge them.
@@ -304,6 +305,12 @@ fn run(line: &str, regions: &mut Vec<Region>) -> Result<String, String> {
             Ok("ok".into())
         }
         Some("pid") => Ok(format!("pid {}", std::process::id())),
+        Some("exec") => {
+            use std::os::unix::process::CommandExt;
+            println!("ok");
+            let err = std::process::Command::new("/proc/self/exe").exec();
+            Err(format!("exec: {err}"))
+        }
         Some("exit") => std::process::exit(0),
         _ => Err(format!("unknown command `{line}`")),
     }
