@@ -662,3 +662,39 @@ fn a_target_that_executes_a_new_program_is_armed_and_merged_again() {
     daemon.finish();
     assert!(child.verify(r, 0, 128, 62));
 }
+
+#[test]
+fn without_ksm_the_daemon_says_so_and_estimate_still_works() {
+    require_root();
+    let _turn = one_at_a_time();
+    let mut child = TestChild::spawn();
+    let r = child.map(16);
+    child.write(r, 0, 16, 3);
+    let config = DaemonConfig {
+        targets: TargetSpec {
+            pids: vec![child.pid()],
+            ..TargetSpec::default()
+        },
+        ksm_root: "/nonexistent/mm/ksm".into(),
+        ..DaemonConfig::default()
+    };
+    let err = Daemon::start(config).err().expect("no KSM, no daemon");
+    assert!(err.to_string().contains("KSM is not available"), "{err}");
+    assert!(
+        err.to_string().contains("`rksm estimate` still works"),
+        "{err}"
+    );
+    // And it does: estimate never touches ksmd.
+    let output = rksm_command()
+        .args([
+            "estimate",
+            "--pid",
+            &child.pid().to_string(),
+            "--passes",
+            "1",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(output.status.success());
+}

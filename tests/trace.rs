@@ -7,6 +7,8 @@ use std::{
 };
 
 use rksm::{
+    dirty::{DirtySet, DirtySource, EbpfSource, TracerHub},
+    procfs,
     targets::Process,
     trace::TraceSession,
     tracer::{Tracer, TracerConfig, WriteLog},
@@ -76,7 +78,11 @@ fn a_full_ring_is_reported_as_a_loss_of_that_process() {
     // The logger must be in place before the tracer binds aya-log to it.
     let _ = log::set_logger(&CapturedLog).map(|()| log::set_max_level(log::LevelFilter::Trace));
     // One page of ring holds about 170 records; nothing drains it while 2000 pages fault.
-    let mut tracer = Tracer::load(TracerConfig { ring_bytes: 4096 }).unwrap();
+    let mut tracer = Tracer::load(TracerConfig {
+        ring_bytes: 4096,
+        ..TracerConfig::default()
+    })
+    .unwrap();
     tracer.track(tracked.pid()).unwrap();
     tracked.write(tracked_region, 0, 2000, 7);
     untracked.write(untracked_region, 0, 100, 7);
@@ -272,6 +278,41 @@ fn bad_input_gets_one_line_and_a_nonzero_exit() {
         assert!(
             first.starts_with("rksm: ") || first.starts_with("error: "),
             "{args:?}: {stderr}"
+        );
+    }
+}
+
+#[test]
+fn a_full_tracked_map_refuses_more_and_the_ebpf_source_hashes_those_in_full() {
+    require_root();
+    let (tracked, extra) = (TestChild::spawn(), TestChild::spawn());
+    let tracer = Tracer::load(TracerConfig {
+        max_tracked: 1,
+        ..TracerConfig::default()
+    })
+    .unwrap();
+    let hub = TracerHub::new(tracer);
+    hub.borrow_mut().track(tracked.pid());
+    hub.borrow_mut().track(extra.pid());
+    assert!(hub.borrow().tracks(tracked.pid()));
+    assert!(
+        !hub.borrow().tracks(extra.pid()),
+        "the map holds one process"
+    );
+
+    let mut source = EbpfSource::new(hub.clone());
+    let process = Process::open(extra.pid()).unwrap();
+    let vmas: Vec<_> = procfs::read_maps(extra.pid())
+        .unwrap()
+        .into_iter()
+        .filter(|v| v.is_private_anonymous_writable())
+        .collect();
+    for pass in 0..3 {
+        // Untracked writes would go unseen: nothing of this process may count as clean.
+        assert_eq!(
+            source.dirty_pages(&process, &vmas).unwrap(),
+            DirtySet::All,
+            "pass {pass}"
         );
     }
 }

@@ -183,6 +183,7 @@ impl DirtySource for PagemapSource {
 pub struct TracerHub {
     tracer: Tracer,
     log: WriteLog,
+    /// Tracked processes, with the loss count last seen for each.
     lost_seen: HashMap<u32, u64>,
     /// Per process, every page the tracer saw written in the current pass window.
     seen: HashMap<u32, HashSet<u64>>,
@@ -256,7 +257,12 @@ impl TracerHub {
             .ok()
             .flatten()
             .map_or(0, |c| c.lost);
-        let lost_before = self.lost_seen.insert(pid, lost_now).unwrap_or(0);
+        // Only a tracked process has a loss count to compare with; an untracked one is not
+        // recorded at all, and `tracks` must keep saying so.
+        let lost_before = match self.lost_seen.get_mut(&pid) {
+            Some(seen) => std::mem::replace(seen, lost_now),
+            None => lost_now,
+        };
         self.seen
             .entry(pid)
             .or_default()

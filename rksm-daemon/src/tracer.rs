@@ -88,12 +88,16 @@ pub struct TracerConfig {
     /// Size of the record ring in bytes: a power of two, at least one page. Each write fault
     /// takes 24 bytes; a full ring costs records, which become per-process losses.
     pub ring_bytes: u32,
+    /// How many processes can be tracked at once; tracking one more fails, and its owner
+    /// must then treat that process as entirely written.
+    pub max_tracked: u32,
 }
 
 impl Default for TracerConfig {
     fn default() -> Self {
         TracerConfig {
             ring_bytes: DEFAULT_RING_BYTES,
+            max_tracked: rksm_common::MAX_TRACKED,
         }
     }
 }
@@ -128,6 +132,7 @@ impl Tracer {
         };
         let mut ebpf = EbpfLoader::new()
             .map_max_entries(names::RECORDS, ring)
+            .map_max_entries(names::TRACKED, config.max_tracked.max(1))
             .load(EBPF_OBJECT)
             .map_err(load_err)?;
         // The program logs only rare events (the first loss of a process); without the log
@@ -350,9 +355,12 @@ mod tests {
     #[test]
     fn ring_sizes_that_the_kernel_would_refuse_are_refused_first() {
         for bad in [0, 100, 4095, 3 * 4096] {
-            let err = Tracer::load(TracerConfig { ring_bytes: bad })
-                .err()
-                .unwrap();
+            let err = Tracer::load(TracerConfig {
+                ring_bytes: bad,
+                ..TracerConfig::default()
+            })
+            .err()
+            .unwrap();
             assert!(
                 matches!(err, TracerError::BadRingSize(b) if b == bad),
                 "{err}"
