@@ -20,6 +20,7 @@ use serde::Serialize;
 
 use crate::{
     ksmd::{self, KsmdOwner, KsmdSettings},
+    procfs,
     workload::Profile,
 };
 
@@ -165,17 +166,11 @@ impl Drop for Workload {
     }
 }
 
-/// CPU seconds (user + system) of a process from /proc/PID/stat.
+/// CPU seconds (user + system) of a process from /proc/PID/stat (fields 14 and 15).
 fn cpu_seconds(pid: u32) -> Option<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let after = stat.get(stat.rfind(')')? + 2..)?;
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
-    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
-        .ok()
-        .flatten()
-        .unwrap_or(100) as f64;
-    Some(ticks as f64 / hz)
+    let ticks = |n| procfs::stat_field(&stat, n)?.parse::<u64>().ok();
+    Some((ticks(14)? + ticks(15)?) as f64 / procfs::clock_ticks_per_second())
 }
 
 fn ksmd_pid() -> Option<u32> {

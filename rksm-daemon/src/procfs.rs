@@ -127,6 +127,30 @@ pub fn read_maps(pid: u32) -> Result<Vec<Vma>, ProcfsError> {
     Ok(vmas)
 }
 
+/// Field `n` of a /proc/PID/stat line, numbered as in proc_pid_stat(5): 3 is the state, 4 the
+/// parent pid, and so on (`n` >= 3). The command name (field 2) may itself hold spaces and
+/// parentheses, so the fields after it start after the *last* `)`.
+///
+/// ```
+/// let stat = "42 (a) b) R 1 42 42 0 -1 4194560";
+/// assert_eq!(rksm::procfs::stat_field(stat, 3), Some("R"));
+/// assert_eq!(rksm::procfs::stat_field(stat, 9), Some("4194560"));
+/// ```
+pub fn stat_field(stat: &str, n: usize) -> Option<&str> {
+    stat.get(stat.rfind(')')? + 1..)?
+        .split_ascii_whitespace()
+        .nth(n.checked_sub(3)?)
+}
+
+/// The unit of the times in /proc/PID/stat (`sysconf(_SC_CLK_TCK)`, 100 on Linux).
+pub fn clock_ticks_per_second() -> f64 {
+    nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .ok()
+        .flatten()
+        .unwrap_or(100)
+        .max(1) as f64
+}
+
 /// One 64-bit entry of /proc/PID/pagemap (Documentation/admin-guide/mm/pagemap.rst).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PagemapEntry(pub u64);

@@ -14,8 +14,9 @@ use std::{
     time::Duration,
 };
 
-use nix::unistd::{sysconf, SysconfVar};
 use regex::Regex;
+
+use crate::procfs::{clock_ticks_per_second, stat_field};
 
 /// `PF_EXITING` in /proc/PID/stat's flags: the task is being torn down.
 const PF_EXITING: u64 = 0x0000_0004;
@@ -139,12 +140,7 @@ impl Process {
 
     /// How long the process has been running.
     pub fn age(&self) -> Duration {
-        let ticks_per_second = sysconf(SysconfVar::CLK_TCK)
-            .ok()
-            .flatten()
-            .unwrap_or(100)
-            .max(1) as f64;
-        let started = self.start_ticks as f64 / ticks_per_second;
+        let started = self.start_ticks as f64 / clock_ticks_per_second();
         Duration::from_secs_f64((uptime_seconds() - started).max(0.0))
     }
 
@@ -155,10 +151,8 @@ impl Process {
         use std::os::unix::fs::MetadataExt;
         let exe = fs::metadata(format!("/proc/{}/exe", self.pid)).ok()?.ino();
         let stat = fs::read_to_string(format!("/proc/{}/stat", self.pid)).ok()?;
-        let mut fields = stat.get(stat.rfind(')')? + 2..)?.split_ascii_whitespace();
-        // Fields 26 (startcode) and 28 (startstack); `fields` starts at field 3.
-        let start_code = fields.nth(23)?.parse().ok()?;
-        let start_stack = fields.nth(1)?.parse().ok()?;
+        let start_code = stat_field(&stat, 26)?.parse().ok()?;
+        let start_stack = stat_field(&stat, 28)?.parse().ok()?;
         Some((exe, start_code, start_stack))
     }
 
@@ -355,9 +349,7 @@ fn descendants(root: u32) -> BTreeSet<u32> {
         .into_iter()
         .filter_map(|pid| {
             let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-            let after = stat.get(stat.rfind(')')? + 1..)?;
-            let ppid = after.split_ascii_whitespace().nth(1)?.parse().ok()?;
-            Some((pid, ppid))
+            Some((pid, stat_field(&stat, 4)?.parse().ok()?))
         })
         .collect();
     let mut tree = BTreeSet::from([root]);
@@ -425,16 +417,12 @@ impl ProcStat {
     }
 
     /// `stat` is `pid (comm) state ppid ...`; comm may itself contain spaces and parentheses,
-    /// so it ends at the *last* `)`. Flags are the 9th field.
+    /// so it ends at the *last* `)`.
     fn parse(pid: u32, stat: &str, status: &str) -> Option<Self> {
-        let open = stat.find('(')?;
-        let close = stat.rfind(')')?;
-        let comm = stat.get(open + 1..close)?.to_string();
-        let mut rest = stat.get(close + 1..)?.split_ascii_whitespace();
-        // `rest` starts at field 3 (state); flags is field 9, starttime field 22.
-        let state = rest.next()?.chars().next()?;
-        let flags = rest.nth(5)?.parse().ok()?;
-        let start_ticks = rest.nth(12)?.parse().ok()?;
+        let comm = stat.get(stat.find('(')? + 1..stat.rfind(')')?)?.to_string();
+        let state = stat_field(stat, 3)?.chars().next()?;
+        let flags = stat_field(stat, 9)?.parse().ok()?;
+        let start_ticks = stat_field(stat, 22)?.parse().ok()?;
         let tgid = status
             .lines()
             .find_map(|l| l.strip_prefix("Tgid:"))?
