@@ -5,59 +5,12 @@
 //! --test torture` runs the long form.
 
 use std::{
-    io::{BufRead, BufReader, Write},
-    process::{Child, ChildStdin, ChildStdout, Stdio},
+    process::Stdio,
     time::{Duration, Instant},
 };
 
+use rksm::workload::WorkloadProcess;
 use rksm_tests::{require_root, rksm_command};
-
-struct Workload {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-}
-
-impl Workload {
-    fn start(profile: &std::path::Path, index: u32) -> Workload {
-        let mut child = rksm_command()
-            .args([
-                "workload",
-                "--profile",
-                profile.to_str().unwrap(),
-                "--index",
-                &index.to_string(),
-            ])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let stdin = child.stdin.take().unwrap();
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        stdout.read_line(&mut line).unwrap();
-        assert_eq!(line.trim(), "ready");
-        Workload {
-            child,
-            stdin,
-            stdout,
-        }
-    }
-
-    fn verify(&mut self) -> String {
-        writeln!(self.stdin, "verify").unwrap();
-        let mut line = String::new();
-        self.stdout.read_line(&mut line).unwrap();
-        line.trim().to_string()
-    }
-}
-
-impl Drop for Workload {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// A profile with writers at `rate` pages per second, half of them rewriting the same value
 /// (copy-on-write breaks of merged pages), half changing it.
@@ -82,10 +35,18 @@ fn memory_stays_exact_under_random_writers_in_every_mode() {
     let rates = [10, 200, 1000, 5000, 20_000, 100, 3000, 50];
     let profiles: Vec<_> = rates.iter().map(|&r| profile(r)).collect();
     for mode in ["hash-only", "pagemap", "ebpf"] {
-        let mut workloads: Vec<Workload> = profiles
+        let mut workloads: Vec<WorkloadProcess> = profiles
             .iter()
             .enumerate()
-            .map(|(i, p)| Workload::start(p, i as u32))
+            .map(|(i, p)| {
+                WorkloadProcess::start(
+                    &rksm_tests::built_binary("rksm"),
+                    p.to_str().unwrap(),
+                    i as u32,
+                    false,
+                )
+                .unwrap()
+            })
             .collect();
         let mut cmd = rksm_command();
         cmd.args([
@@ -99,7 +60,7 @@ fn memory_stays_exact_under_random_writers_in_every_mode() {
             "--json",
         ]);
         for w in &workloads {
-            cmd.args(["--pid", &w.child.id().to_string()]);
+            cmd.args(["--pid", &w.pid().to_string()]);
         }
         let rksm = cmd
             .stdout(Stdio::piped())

@@ -10,9 +10,8 @@
 //! asking every workload to check its own memory.
 
 use std::{
-    io::{BufRead, BufReader, Write},
     path::{Path, PathBuf},
-    process::{Child, ChildStdin, ChildStdout, Command, Stdio},
+    process::{Child, Command, Stdio},
     time::{Duration, Instant},
 };
 
@@ -21,7 +20,7 @@ use serde::Serialize;
 use crate::{
     ksmd::{self, KsmdOwner, KsmdSettings},
     procfs,
-    workload::Profile,
+    workload::{Profile, WorkloadProcess},
 };
 
 /// One configuration of the comparison.
@@ -109,63 +108,6 @@ pub struct BenchPlan {
     pub ksmd_default_cap: f64,
 }
 
-struct Workload {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-}
-
-impl Workload {
-    fn start(
-        plan: &BenchPlan,
-        profile_arg: &str,
-        index: u32,
-        mergeable: bool,
-    ) -> std::io::Result<Workload> {
-        let mut cmd = Command::new(&plan.rksm);
-        cmd.args([
-            "workload",
-            "--profile",
-            profile_arg,
-            "--index",
-            &index.to_string(),
-        ]);
-        if mergeable {
-            cmd.arg("--mergeable");
-        }
-        let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).spawn()?;
-        let stdin = child.stdin.take().expect("piped");
-        let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
-        let mut line = String::new();
-        stdout.read_line(&mut line)?;
-        if line.trim() != "ready" {
-            return Err(std::io::Error::other(format!(
-                "workload {index} did not start: `{}`",
-                line.trim()
-            )));
-        }
-        Ok(Workload {
-            child,
-            stdin,
-            stdout,
-        })
-    }
-
-    fn verify(&mut self) -> bool {
-        let mut line = String::new();
-        writeln!(self.stdin, "verify").is_ok()
-            && self.stdout.read_line(&mut line).is_ok()
-            && line.trim() == "ok"
-    }
-}
-
-impl Drop for Workload {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// CPU seconds (user + system) of a process from /proc/PID/stat (fields 14 and 15).
 fn cpu_seconds(pid: u32) -> Option<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
@@ -228,7 +170,7 @@ pub fn run_once(
     let mergeable = matches!(config, Config::Ksmd | Config::KsmdTuned);
     settle();
     let mut workloads = (0..n)
-        .map(|i| Workload::start(plan, profile_arg, i, mergeable))
+        .map(|i| WorkloadProcess::start(&plan.rksm, profile_arg, i, mergeable))
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| format!("starting the workload: {e}"))?;
     let ksmd = ksmd_pid().ok_or("no ksmd thread: is KSM built into this kernel?")?;
@@ -286,7 +228,7 @@ pub fn run_once(
             ]);
             cmd.args(["--duration", &plan.run_seconds.to_string(), "--json"]);
             for w in &workloads {
-                cmd.args(["--pid", &w.child.id().to_string()]);
+                cmd.args(["--pid", &w.pid().to_string()]);
             }
             let child = cmd
                 .stdout(Stdio::piped())
@@ -358,7 +300,7 @@ pub fn run_once(
     let ksmd_cpu = cpu_seconds(ksmd).unwrap_or(0.0) - ksmd_cpu0;
     let pages_unshared = ksm_counter("pages_unshared");
     let pages_sharing = ksm_counter("pages_sharing").saturating_sub(base_sharing);
-    let integrity_ok = workloads.iter_mut().all(Workload::verify);
+    let integrity_ok = workloads.iter_mut().all(|w| w.verify() == "ok");
     drop(owner);
     drop(workloads);
 

@@ -296,6 +296,76 @@ pub fn serve(profile: &Profile, index: u32, mergeable: bool) -> io::Result<()> {
     Ok(())
 }
 
+/// A running `rksm workload` process, driven over its stdin; killed when dropped.
+pub struct WorkloadProcess {
+    child: std::process::Child,
+    stdin: std::process::ChildStdin,
+    stdout: io::BufReader<std::process::ChildStdout>,
+}
+
+impl WorkloadProcess {
+    /// Starts `rksm workload` (the binary at `rksm`) and waits until its memory is filled.
+    pub fn start(
+        rksm: &std::path::Path,
+        profile: &str,
+        index: u32,
+        mergeable: bool,
+    ) -> io::Result<WorkloadProcess> {
+        let mut cmd = std::process::Command::new(rksm);
+        cmd.args([
+            "workload",
+            "--profile",
+            profile,
+            "--index",
+            &index.to_string(),
+        ]);
+        if mergeable {
+            cmd.arg("--mergeable");
+        }
+        let mut child = cmd
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()?;
+        let stdin = child.stdin.take().expect("piped");
+        let mut stdout = io::BufReader::new(child.stdout.take().expect("piped"));
+        let mut line = String::new();
+        stdout.read_line(&mut line)?;
+        if line.trim() != "ready" {
+            return Err(io::Error::other(format!(
+                "workload {index} did not start: `{}`",
+                line.trim()
+            )));
+        }
+        Ok(WorkloadProcess {
+            child,
+            stdin,
+            stdout,
+        })
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Asks the process to check all its memory: `ok`, or `mismatch PAGE`, or why it could
+    /// not answer.
+    pub fn verify(&mut self) -> String {
+        let mut line = String::new();
+        match writeln!(self.stdin, "verify").and_then(|()| self.stdout.read_line(&mut line)) {
+            Ok(_) => line.trim().to_string(),
+            Err(e) => format!("no answer: {e}"),
+        }
+    }
+}
+
+impl Drop for WorkloadProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
