@@ -202,6 +202,8 @@ fn a_target_killed_while_borrowed_is_reported_gone_without_hanging() {
     require_root();
     let child = TestChild::spawn();
     let pid = child.pid();
+    // Once it waits for commands it has exec'd and has its vDSO.
+    assert!(asleep(pid));
     let mut session = RemoteSession::begin(&Process::open(pid).unwrap()).unwrap();
     assert_eq!(session.syscall(nr::GETPID, &[]).unwrap(), i64::from(pid));
     // SAFETY: kill with a valid pid and signal.

@@ -55,10 +55,11 @@ pub enum RemoteRefusal {
 }
 
 impl RemoteRefusal {
-    /// Whether the reason lasts as long as the process (seccomp cannot be turned off, a vDSO
-    /// does not appear); the others (a tracer, a stop, a disk wait) can pass.
+    /// Whether the reason lasts as long as the process (seccomp cannot be turned off); the
+    /// others can pass: a tracer detaches, a stop or a disk wait ends, and a process caught
+    /// in the middle of an exec has no vDSO mapped for a moment.
     pub fn is_lasting(self) -> bool {
-        matches!(self, RemoteRefusal::Seccomp | RemoteRefusal::NoVdso)
+        matches!(self, RemoteRefusal::Seccomp)
     }
 
     /// Stable short name, used as a counter label.
