@@ -15,8 +15,8 @@ use rksm::{
     targets::TargetSpec,
 };
 use rksm_tests::{
-    blocked_syscall, fd_count, ksm_merging_pages, ksm_pages, ksmd_settings, proc_status,
-    require_root, rksm_command, wait_for, Region, TestChild, PAGE,
+    any_vma_mergeable, blocked_syscall, fd_count, ksm_merging_pages, ksm_pages, ksmd_settings,
+    proc_status, require_root, rksm_command, vma_mergeable, wait_for, Region, TestChild, PAGE,
 };
 
 static ONE_DAEMON_AT_A_TIME: Mutex<()> = Mutex::new(());
@@ -697,4 +697,194 @@ fn without_ksm_the_daemon_says_so_and_estimate_still_works() {
         .output()
         .unwrap();
     assert!(output.status.success());
+}
+
+/// Children holding the same `pages` pages (seed 71) in one region each.
+fn twins(n: usize, pages: u64) -> Vec<(TestChild, Region)> {
+    (0..n)
+        .map(|_| {
+            let mut child = TestChild::spawn();
+            let r = child.map(pages);
+            child.write(r, 0, pages, 71);
+            (child, r)
+        })
+        .collect()
+}
+
+#[test]
+fn an_operator_who_stops_ksmd_mid_run_is_not_overruled() {
+    require_root();
+    let _turn = one_at_a_time();
+    let before = ksmd_settings();
+    let mut kids = twins(2, 32);
+    let regions: Vec<_> = kids.iter().map(|(c, r)| (c.pid(), *r, 32)).collect();
+    let mut daemon = daemon_over(&regions, DirtyMode::Pagemap);
+    daemon.pass();
+    assert_eq!(ksmd_settings().0, "1", "rksm runs ksmd while it owns it");
+    std::fs::write("/sys/kernel/mm/ksm/run", "0").unwrap();
+    daemon.pass();
+    daemon.pass();
+    assert_eq!(daemon.stats().ksmd_taken_back, Some(0));
+    assert_eq!(ksmd_settings().0, "0", "rksm started ksmd again");
+    daemon.finish();
+    let after = ksmd_settings();
+    assert_eq!(after.0, "0", "rksm's restore overruled the operator");
+    assert_eq!(
+        (&after.1, &after.2),
+        (&before.1, &before.2),
+        "ksmd's pace was not restored"
+    );
+    std::fs::write("/sys/kernel/mm/ksm/run", &before.0).unwrap();
+    for (child, r) in &mut kids {
+        assert!(child.verify(*r, 0, 32, 71));
+    }
+}
+
+#[test]
+fn a_target_that_exits_in_the_middle_of_a_pass_is_dropped_and_the_others_merge() {
+    require_root();
+    let _turn = one_at_a_time();
+    let mut kids = twins(3, 64);
+    let regions: Vec<_> = kids.iter().map(|(c, r)| (c.pid(), *r, 64)).collect();
+    let mut daemon = daemon_over(&regions, DirtyMode::Ebpf);
+    daemon.pass();
+    let (leaver, _) = kids.remove(0);
+    let mut leaver = Some(leaver);
+    let summary = daemon.pass_with(&mut || leaver.take().unwrap().exit());
+    assert_eq!(
+        summary.targets, 3,
+        "the pass read all three before one left"
+    );
+    let summary = daemon.pass();
+    assert_eq!(summary.targets, 2, "the one that exited is still a target");
+    assert!(
+        passes_until(&mut daemon, || kids.iter().all(|(c, r)| ksm_pages(
+            c.pid(),
+            *r,
+            64
+        )
+        .len()
+            == 64)),
+        "the remaining two were not merged"
+    );
+    daemon.finish();
+    for (child, r) in &mut kids {
+        assert!(child.verify(*r, 0, 64, 71));
+    }
+}
+
+#[test]
+fn a_target_that_unmaps_in_the_middle_of_a_pass_has_nothing_marked_there() {
+    require_root();
+    let _turn = one_at_a_time();
+    let mut kids = twins(3, 64);
+    let (first, first_region) = (kids[0].0.pid(), kids[0].1);
+    let keep = kids[0].0.map(16);
+    kids[0].0.write_unique(keep, 0, 16, 900);
+    let regions: Vec<_> = kids.iter().map(|(c, r)| (c.pid(), *r, 64)).collect();
+    let mut daemon = daemon_over(&regions, DirtyMode::Pagemap);
+    // Duplicates are marked at the second sight (the first only shows them stable).
+    daemon.pass();
+    let (unmapper, _) = &mut kids[0];
+    daemon.pass_with(&mut || unmapper.unmap(first_region));
+    assert!(
+        !any_vma_mergeable(first),
+        "something was marked in the target that unmapped"
+    );
+    assert!(
+        passes_until(&mut daemon, || kids[1..].iter().all(|(c, r)| ksm_pages(
+            c.pid(),
+            *r,
+            64
+        )
+        .len()
+            == 64)),
+        "the other two were not merged"
+    );
+    daemon.finish();
+    assert!(kids[0].0.verify_unique(keep, 0, 16, 900));
+    assert_eq!(proc_status(first, "TracerPid:"), "0");
+}
+
+#[test]
+fn a_target_that_execs_in_the_middle_of_a_pass_is_not_marked_in_its_new_program() {
+    require_root();
+    let _turn = one_at_a_time();
+    let mut kids = twins(2, 64);
+    let (pid, old) = (kids[0].0.pid(), kids[0].1);
+    let regions: Vec<_> = kids.iter().map(|(c, r)| (c.pid(), *r, 64)).collect();
+    let mut daemon = daemon_over(&regions, DirtyMode::Pagemap);
+    daemon.pass();
+    // After the scan, the first child becomes a new program with the same content at the
+    // same address: marking what the scan found would mark memory rksm never read.
+    let (execer, _) = &mut kids[0];
+    let mut new = None;
+    daemon.pass_with(&mut || {
+        assert_eq!(execer.command("exec"), "ok");
+        let r = execer.map_at(64, old.base);
+        execer.write(r, 0, 64, 71);
+        new = Some(r);
+    });
+    let new = new.unwrap();
+    assert!(
+        !vma_mergeable(pid, new.base),
+        "marked in a program rksm has not scanned"
+    );
+    // Started over with the new program, it is merged like any other.
+    kids[0].1 = new;
+    assert!(
+        passes_until(&mut daemon, || kids.iter().all(|(c, r)| ksm_pages(
+            c.pid(),
+            *r,
+            64
+        )
+        .len()
+            == 64)),
+        "not merged after starting over"
+    );
+    daemon.finish();
+    for (child, r) in &mut kids {
+        assert!(child.verify(*r, 0, 64, 71));
+    }
+}
+
+#[test]
+fn a_target_that_forks_in_the_middle_of_a_pass_keeps_running_and_its_child_joins() {
+    require_root();
+    let _turn = one_at_a_time();
+    let mut kids = twins(2, 64);
+    let parent = kids[0].0.pid();
+    let config = DaemonConfig {
+        targets: TargetSpec {
+            pids: vec![kids[1].0.pid()],
+            tree_of: Some(parent),
+            ..TargetSpec::default()
+        },
+        dirty: DirtyMode::Ebpf,
+        ..DaemonConfig::default()
+    };
+    let mut daemon = Daemon::start(config).unwrap();
+    daemon.pass();
+    let (forker, _) = &mut kids[0];
+    let mut forked = 0;
+    let summary = daemon.pass_with(&mut || forked = forker.fork());
+    assert_eq!(summary.targets, 2);
+    assert!(summary.runs_marked > 0, "nothing marked in the pass");
+    let summary = daemon.pass();
+    assert_eq!(summary.targets, 3, "the forked child did not join");
+    assert!(
+        passes_until(&mut daemon, || ksm_pages(kids[1].0.pid(), kids[1].1, 64)
+            .len()
+            == 64),
+        "not merged after the fork"
+    );
+    daemon.finish();
+    for pid in [parent, forked] {
+        let state = proc_status(pid, "State:");
+        assert!(!state.starts_with(['t', 'T']), "pid {pid} left {state}");
+        assert_eq!(proc_status(pid, "TracerPid:"), "0");
+    }
+    for (child, r) in &mut kids {
+        assert!(child.verify(*r, 0, 64, 71));
+    }
 }

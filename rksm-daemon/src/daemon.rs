@@ -282,6 +282,9 @@ pub struct DaemonStats {
     pub regions_backed_off: u64,
     /// Pages marked mergeable in the live targets.
     pub pages_marked: u64,
+    /// The `run` value someone else wrote to ksmd while rksm owned it; rksm then stops
+    /// pacing ksmd rather than fight them.
+    pub ksmd_taken_back: Option<u64>,
 }
 
 /// What one pass did, for the one-line summary.
@@ -376,8 +379,6 @@ pub struct Daemon {
     backoff: Backoff,
     stats: DaemonStats,
     marking_syscalls: u64,
-    /// Each target's address-space identity when it was adopted (see [`Process::image`]).
-    images: HashMap<u32, Option<(u64, u64, u64)>>,
     /// Each target's merge domain, numbered.
     domain_of: HashMap<u32, u32>,
     domain_ids: HashMap<String, u32>,
@@ -452,7 +453,6 @@ impl Daemon {
             },
             marking_syscalls: 0,
             recent_marks: std::collections::VecDeque::new(),
-            images: HashMap::new(),
             domain_of: HashMap::new(),
             domain_ids: HashMap::new(),
             content_owner: HashMap::new(),
@@ -492,7 +492,6 @@ impl Daemon {
                 "target pid {pid} ({}), merge domain {domain}",
                 process.comm()
             );
-            self.images.insert(pid, process.image());
             self.processes.insert(pid, process);
         }
     }
@@ -524,7 +523,6 @@ impl Daemon {
 
     fn drop_target(&mut self, pid: u32) {
         self.processes.remove(&pid);
-        self.images.remove(&pid);
         self.domain_of.remove(&pid);
         self.scanner.forget(pid);
         self.marker.forget(pid);
@@ -553,7 +551,7 @@ impl Daemon {
         let exec_d: Vec<u32> = self
             .processes
             .iter()
-            .filter(|&(pid, p)| p.image() != self.images.get(pid).copied().flatten())
+            .filter(|(_, p)| p.has_new_image())
             .map(|(&pid, _)| pid)
             .collect();
         for pid in exec_d {
@@ -585,6 +583,13 @@ impl Daemon {
 
     /// Runs one pass.
     pub fn pass(&mut self) -> PassSummary {
+        self.pass_with(&mut || {})
+    }
+
+    /// Runs one pass, calling `between_scan_and_mark` after the targets were read and before
+    /// anything is marked in them: the widest window in which a target can exit, exec, fork
+    /// or unmap under a pass. Tests use it to do exactly that.
+    pub fn pass_with(&mut self, between_scan_and_mark: &mut dyn FnMut()) -> PassSummary {
         let started = Instant::now();
         self.refresh_targets();
         for &pid in self.processes.keys() {
@@ -609,6 +614,7 @@ impl Daemon {
         for &pid in &report.exited {
             self.drop_target(pid);
         }
+        between_scan_and_mark();
         summary.cow_breaks = self.account_cow_breaks(&report, now);
         summary.runs_marked = self.mark(&report, now);
         self.recent_marks.push_back(summary.runs_marked);
@@ -722,7 +728,8 @@ impl Daemon {
                     self.marking_syscalls += outcome.remote_syscalls;
                 }
                 Err(RemoteError::Refused { reason, .. }) => refusals.push((pid, reason)),
-                Err(RemoteError::Gone(_)) => {}
+                // The next pass drops it, or starts over with its new program.
+                Err(RemoteError::Gone(_) | RemoteError::NewImage(_)) => {}
                 Err(e) => log::warn!("marking in pid {pid}: {e}"),
             }
         }
@@ -775,6 +782,7 @@ impl Daemon {
         if let Err(e) = self.ksmd.set(pace) {
             log::warn!("pacing ksmd: {e}");
         }
+        s.ksmd_taken_back = self.ksmd.taken_back();
     }
 
     /// Waits until `deadline`, draining the tracer as records arrive; returns early (false)

@@ -123,6 +123,13 @@ impl Arming {
                     session.finish()?;
                     armed
                 });
+            // Exited or exec'd since it was opened: the next pass sees to it.
+            if let Err(crate::arming::ArmError::Remote(
+                crate::remote::RemoteError::Gone(_) | crate::remote::RemoteError::NewImage(_),
+            )) = &armed
+            {
+                return None;
+            }
             if let Err(e) = &armed {
                 log::warn!(
                     "pid {pid} cannot be write-protected, hashing all its pages every pass: {e}"

@@ -37,6 +37,9 @@ pub enum KsmdError {
     /// A file held something that is not a number.
     #[error("{0}: not a number")]
     Malformed(PathBuf),
+    /// Someone else changed `run` while rksm owned ksmd.
+    #[error("ksmd's run was set to {0} by someone else while rksm owned it; rksm stops pacing ksmd and will not start it again")]
+    TakenBack(u64),
 }
 
 /// The settings rksm owns.
@@ -120,6 +123,8 @@ pub struct KsmdOwner {
     saved: KsmdSettings,
     current: KsmdSettings,
     restored: bool,
+    /// The `run` value someone else wrote while rksm owned ksmd, if anyone did.
+    taken_back: Option<u64>,
 }
 
 impl KsmdOwner {
@@ -148,6 +153,7 @@ impl KsmdOwner {
             saved,
             current: in_force,
             restored: false,
+            taken_back: None,
         };
         owner.set(wanted)?;
         Ok(owner)
@@ -168,8 +174,24 @@ impl KsmdOwner {
         self.saved
     }
 
-    /// Applies new settings (while owned).
+    /// The `run` value another administrator set while rksm owned ksmd, if one did.
+    pub fn taken_back(&self) -> Option<u64> {
+        self.taken_back
+    }
+
+    /// Applies new settings (while owned). If someone else changed `run` since rksm last
+    /// wrote it (an administrator stopping ksmd, or unmerging everything with 2), rksm stops
+    /// writing: it does not fight the operator. That is reported once, as
+    /// [`KsmdError::TakenBack`]; later calls do nothing.
     pub fn set(&mut self, wanted: KsmdSettings) -> Result<(), KsmdError> {
+        if self.taken_back.is_some() {
+            return Ok(());
+        }
+        let run = read_number(&self.root.join("run"))?;
+        if run != self.current.run {
+            self.taken_back = Some(run);
+            return Err(KsmdError::TakenBack(run));
+        }
         if wanted != self.current {
             write_settings(&self.root, wanted)?;
             self.current = wanted;
@@ -187,7 +209,31 @@ impl KsmdOwner {
             return Ok(());
         }
         self.restored = true;
-        write_settings(&self.root, self.saved)?;
+        match self.taken_back {
+            // `run` stays as the operator set it, and so does any setting they changed too;
+            // only what still holds rksm's value goes back.
+            Some(run) => {
+                for (name, mine, saved) in [
+                    (
+                        "pages_to_scan",
+                        self.current.pages_to_scan,
+                        self.saved.pages_to_scan,
+                    ),
+                    (
+                        "sleep_millisecs",
+                        self.current.sleep_millisecs,
+                        self.saved.sleep_millisecs,
+                    ),
+                ] {
+                    let path = self.root.join(name);
+                    if read_number(&path)? == mine {
+                        write_number(&path, saved)?;
+                    }
+                }
+                log::info!("ksmd's pace restored; run left at {run}, as someone else set it");
+            }
+            None => write_settings(&self.root, self.saved)?,
+        }
         // Only once they are back is the record of them no longer needed.
         let _ = fs::remove_file(&self.state);
         Ok(())
@@ -388,6 +434,35 @@ mod tests {
         .unwrap();
         assert_eq!(on_disk(&dir).run, 1);
         drop(owner);
+        fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn an_operator_who_stops_ksmd_is_not_overruled() {
+        let dir = fake_sysfs("taken", 0, 100, 50);
+        let mut owner = KsmdOwner::take(&dir, &state(&dir), pace(10, 1.0, 20)).unwrap();
+        assert_eq!(on_disk(&dir).run, 1);
+        fs::write(dir.join("run"), "0\n").unwrap();
+        let err = owner.set(pace(500_000, 1.0, 20)).unwrap_err();
+        assert!(matches!(err, KsmdError::TakenBack(0)), "{err}");
+        assert_eq!(owner.taken_back(), Some(0));
+        owner.set(pace(500_000, 1.0, 20)).unwrap();
+        assert_eq!(on_disk(&dir).run, 0, "rksm started ksmd again");
+        assert_eq!(on_disk(&dir).pages_to_scan, 100, "rksm kept pacing ksmd");
+        // The operator starts it again at their own pace before rksm stops: that stands;
+        // the sleep rksm set goes back.
+        fs::write(dir.join("run"), "1\n").unwrap();
+        fs::write(dir.join("pages_to_scan"), "3000\n").unwrap();
+        owner.restore().unwrap();
+        assert_eq!(
+            on_disk(&dir),
+            KsmdSettings {
+                run: 1,
+                pages_to_scan: 3000,
+                sleep_millisecs: 50
+            }
+        );
+        assert!(!state(&dir).exists());
         fs::remove_dir_all(dir).unwrap();
     }
 

@@ -100,6 +100,10 @@ pub enum RemoteError {
     /// The target exited.
     #[error("pid {0} exited")]
     Gone(u32),
+    /// The target executed a new program since it was opened: the addresses the caller
+    /// holds belong to an address space that no longer exists. Nothing was done to it.
+    #[error("pid {0} executed a new program since it was scanned")]
+    NewImage(u32),
     /// A ptrace operation failed.
     #[error("pid {pid}: ptrace {op}: {errno}")]
     Ptrace {
@@ -233,6 +237,12 @@ impl RemoteSession {
         }
         session.wait_for_stop(false)?;
         session.saved = ptrace::getregs(tid).map_err(ptrace_err("getregs"))?;
+        // Stopped, the thread can no longer exec; but it may have before we stopped it, and
+        // then the vDSO address and every address the caller scanned are stale.
+        if process.has_new_image() {
+            session.release()?;
+            return Err(RemoteError::NewImage(pid));
+        }
         Ok(session)
     }
 

@@ -88,6 +88,7 @@ pub struct Process {
     comm: String,
     start_ticks: u64,
     pidfd: OwnedFd,
+    image_at_open: Option<(u64, u64, u64)>,
 }
 
 impl Process {
@@ -103,12 +104,14 @@ impl Process {
         // Read /proc again now that the pidfd pins the process: what it says is about the
         // process the pidfd refers to, not about an earlier owner of the pid.
         let stat = ProcStat::read(tgid)?;
-        let process = Process {
+        let mut process = Process {
             pid: tgid,
             comm: stat.comm.clone(),
             start_ticks: stat.start_ticks,
             pidfd,
+            image_at_open: None,
         };
+        process.image_at_open = process.image();
         if process.has_exited() {
             return Err(TargetError::NotFound(pid));
         }
@@ -154,6 +157,17 @@ impl Process {
         let start_code = stat_field(&stat, 26)?.parse().ok()?;
         let start_stack = stat_field(&stat, 28)?.parse().ok()?;
         Some((exe, start_code, start_stack))
+    }
+
+    /// The address-space identity when the process was opened.
+    pub fn image_at_open(&self) -> Option<(u64, u64, u64)> {
+        self.image_at_open
+    }
+
+    /// True if the process has executed a new program since it was opened (or has exited):
+    /// every address known about it is stale.
+    pub fn has_new_image(&self) -> bool {
+        self.image() != self.image_at_open
     }
 
     /// True once the process has exited (its pidfd became readable). Never blocks.

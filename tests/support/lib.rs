@@ -105,7 +105,18 @@ impl TestChild {
 
     /// Maps `pages` fresh pages (none present yet).
     pub fn map(&mut self, pages: u64) -> Region {
-        let reply = self.command(&format!("map {pages}"));
+        self.parse_mapped(&format!("map {pages}"))
+    }
+
+    /// Maps `pages` fresh pages at `base` (which must be free).
+    pub fn map_at(&mut self, pages: u64, base: u64) -> Region {
+        let region = self.parse_mapped(&format!("map {pages} {base:#x}"));
+        assert_eq!(region.base, base, "mapped elsewhere");
+        region
+    }
+
+    fn parse_mapped(&mut self, command: &str) -> Region {
+        let reply = self.command(command);
         let mut words = reply.split_whitespace().skip(1);
         let id = words
             .next()
@@ -324,6 +335,39 @@ pub fn ksm_pages(pid: u32, region: Region, pages: u64) -> Vec<u64> {
 pub fn ksm_merging_pages(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/ksm_merging_pages"))
         .map_or(0, |s| s.trim().parse().unwrap_or(0))
+}
+
+/// Whether the VMA of `pid` that contains `address` is marked MADV_MERGEABLE (`mg` among
+/// its VmFlags in /proc/PID/smaps).
+pub fn vma_mergeable(pid: u32, address: u64) -> bool {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).expect("smaps");
+    let mut inside = false;
+    for line in smaps.lines() {
+        let header = line.split_whitespace().next().and_then(|range| {
+            let (start, end) = range.split_once('-')?;
+            Some((
+                u64::from_str_radix(start, 16).ok()?,
+                u64::from_str_radix(end, 16).ok()?,
+            ))
+        });
+        if let Some((start, end)) = header {
+            inside = (start..end).contains(&address);
+        } else if inside {
+            if let Some(flags) = line.strip_prefix("VmFlags:") {
+                return flags.split_whitespace().any(|f| f == "mg");
+            }
+        }
+    }
+    false
+}
+
+/// Whether any VMA of `pid` is marked MADV_MERGEABLE.
+pub fn any_vma_mergeable(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/smaps"))
+        .expect("smaps")
+        .lines()
+        .filter_map(|l| l.strip_prefix("VmFlags:"))
+        .any(|flags| flags.split_whitespace().any(|f| f == "mg"))
 }
 
 /// ksmd's settings, to check they are restored.

@@ -46,15 +46,22 @@ struct Region {
 }
 
 impl Region {
-    fn map(pages: usize) -> Result<Region, String> {
+    /// Maps `pages` fresh pages, at `at` if given (never over an existing mapping).
+    fn map(pages: usize, at: Option<usize>) -> Result<Region, String> {
         let len = pages * PAGE;
-        // SAFETY: a fresh anonymous mapping; no existing memory is affected.
+        let fixed = if at.is_some() {
+            libc::MAP_FIXED_NOREPLACE
+        } else {
+            0
+        };
+        // SAFETY: a fresh anonymous mapping; MAP_FIXED_NOREPLACE fails rather than replace
+        // an existing one, so no existing memory is affected.
         let ptr = unsafe {
             libc::mmap(
-                std::ptr::null_mut(),
+                at.unwrap_or(0) as *mut libc::c_void,
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | fixed,
                 -1,
                 0,
             )
@@ -101,7 +108,14 @@ fn run(line: &str, regions: &mut Vec<Region>) -> Result<String, String> {
     };
     match words.first().copied() {
         Some("map") => {
-            let r = Region::map(num(1)? as usize)?;
+            let at = match words.get(2) {
+                Some(hex) => Some(
+                    usize::from_str_radix(hex.trim_start_matches("0x"), 16)
+                        .map_err(|e| format!("address: {e}"))?,
+                ),
+                None => None,
+            };
+            let r = Region::map(num(1)? as usize, at)?;
             let reply = format!("mapped {} {:#x}", regions.len(), r.base as usize);
             regions.push(r);
             Ok(reply)
