@@ -442,11 +442,11 @@ fn without_privileges_rksm_says_which_capabilities_are_missing() {
     for (args, says) in [
         (
             &["estimate", "--pid", "1"][..],
-            "missing CAP_SYS_PTRACE, CAP_SYS_ADMIN",
+            "missing CAP_SYS_PTRACE, CAP_SYS_ADMIN, CAP_DAC_READ_SEARCH",
         ),
         (
             &["daemon", "--pid", "1"],
-            "missing CAP_SYS_PTRACE, CAP_SYS_ADMIN, CAP_BPF, CAP_PERFMON",
+            "missing CAP_SYS_PTRACE, CAP_SYS_ADMIN, CAP_BPF, CAP_PERFMON, CAP_DAC_READ_SEARCH",
         ),
         (&["trace", "--pid", "1"], "missing CAP_BPF, CAP_PERFMON"),
     ] {

@@ -18,6 +18,10 @@ pub enum Capability {
     Perfmon,
     /// Loading eBPF programs and creating maps.
     Bpf,
+    /// Opening other users' /proc/PID/pagemap and /proc/PID/mem, which are mode 0400 and
+    /// 0600 and owned by the process's user: without it even root is refused by the file
+    /// mode, before ptrace access is asked.
+    DacReadSearch,
 }
 
 impl Capability {
@@ -27,6 +31,7 @@ impl Capability {
             Capability::SysAdmin => 21,
             Capability::Perfmon => 38,
             Capability::Bpf => 39,
+            Capability::DacReadSearch => 2,
         }
     }
 }
@@ -38,6 +43,7 @@ impl fmt::Display for Capability {
             Capability::SysAdmin => "CAP_SYS_ADMIN",
             Capability::Perfmon => "CAP_PERFMON",
             Capability::Bpf => "CAP_BPF",
+            Capability::DacReadSearch => "CAP_DAC_READ_SEARCH",
         })
     }
 }
@@ -86,12 +92,13 @@ mod tests {
             Capability::SysAdmin,
             Capability::Perfmon,
             Capability::Bpf,
+            Capability::DacReadSearch,
         ];
         assert!(
             missing(effective("CapEff:\t000001fffeffffff\n"), &all).is_ok(),
             "root in this container"
         );
-        let err = missing(1 << 19 | 1 << 21, &all).unwrap_err();
+        let err = missing(1 << 19 | 1 << 21 | 1 << 2, &all).unwrap_err();
         assert_eq!(err.0, [Capability::Perfmon, Capability::Bpf]);
         assert_eq!(
             err.to_string(),

@@ -16,7 +16,7 @@ use std::{
     path::PathBuf,
     rc::Rc,
     str::FromStr,
-    time::{Duration, Instant},
+    time::{Duration, Instant, SystemTime},
 };
 
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
@@ -28,9 +28,10 @@ use crate::{
     dirty::{DirtySource, EbpfSource, HashOnly, PagemapSource, TracerHub},
     ksmd::{self, KsmdError, KsmdOwner},
     merge::{Marker, MergePolicy, Run},
-    procfs::ProcfsError,
+    procfs::{KsmStat, ProcfsError},
     remote::{self, RemoteError, RemoteRefusal},
     scan::{PassReport, ScanConfig, Scanner},
+    status::{LastPass, Status, TargetStatus},
     targets::{Process, SelectionError, TargetSpec},
     tracer::{Tracer, TracerConfig, TracerError},
 };
@@ -248,7 +249,7 @@ fn lock() -> Result<std::fs::File, DaemonError> {
 }
 
 /// The counters the daemon reports (names follow /sys/kernel/mm/ksm).
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize)]
 pub struct DaemonStats {
     /// KSM frames in the targets (last pass).
     pub pages_shared: u64,
@@ -387,6 +388,10 @@ pub struct Daemon {
     content_owner: HashMap<u64, u32>,
     /// Runs marked in each of the last few passes, newest last.
     recent_marks: std::collections::VecDeque<u64>,
+    /// Per-target counters, for `rksm status`.
+    per_target: BTreeMap<u32, TargetStatus>,
+    started: SystemTime,
+    last_pass: Option<LastPass>,
     _lock: std::fs::File,
 }
 
@@ -453,6 +458,9 @@ impl Daemon {
             },
             marking_syscalls: 0,
             recent_marks: std::collections::VecDeque::new(),
+            per_target: BTreeMap::new(),
+            started: SystemTime::now(),
+            last_pass: None,
             domain_of: HashMap::new(),
             domain_ids: HashMap::new(),
             content_owner: HashMap::new(),
@@ -489,8 +497,18 @@ impl Daemon {
                 hub.borrow_mut().track(pid);
             }
             log::info!(
+                pid, comm = process.comm(), domain = domain.as_str();
                 "target pid {pid} ({}), merge domain {domain}",
                 process.comm()
+            );
+            self.per_target.insert(
+                pid,
+                TargetStatus {
+                    pid,
+                    comm: process.comm().into(),
+                    domain,
+                    ..TargetStatus::default()
+                },
             );
             self.processes.insert(pid, process);
         }
@@ -524,6 +542,7 @@ impl Daemon {
     fn drop_target(&mut self, pid: u32) {
         self.processes.remove(&pid);
         self.domain_of.remove(&pid);
+        self.per_target.remove(&pid);
         self.scanner.forget(pid);
         self.marker.forget(pid);
         self.merged.remove(&pid);
@@ -614,6 +633,13 @@ impl Daemon {
         for &pid in &report.exited {
             self.drop_target(pid);
         }
+        for (pid, why) in &report.failed {
+            self.count_refusal(
+                *pid,
+                "unreadable",
+                &format!("cannot read its memory: {why}"),
+            );
+        }
         between_scan_and_mark();
         summary.cow_breaks = self.account_cow_breaks(&report, now);
         summary.runs_marked = self.mark(&report, now);
@@ -623,7 +649,43 @@ impl Daemon {
         }
         self.update_stats(&report);
         summary.seconds = started.elapsed().as_secs_f64();
+        self.last_pass = Some(LastPass {
+            number: self.stats.full_scans,
+            ended_unix: unix_time(SystemTime::now()),
+            seconds: summary.seconds,
+            targets: summary.targets,
+            pages_hashed: summary.pages_hashed,
+            pages_skipped_clean: summary.pages_skipped_clean,
+            duplicates: summary.duplicates,
+            runs_marked: summary.runs_marked,
+        });
         summary
+    }
+
+    /// What `rksm status` shows: modes, counters, the last pass and every target.
+    pub fn status(&self) -> Status {
+        Status {
+            version: env!("CARGO_PKG_VERSION").into(),
+            daemon_pid: std::process::id(),
+            dirty_mode: self.stats.dirty_mode.clone(),
+            checksum: self.config.checksum.to_string(),
+            domain: self.config.domain.to_string(),
+            started_unix: unix_time(self.started),
+            last_pass: self.last_pass.clone(),
+            counters: self.stats.clone(),
+            targets: self
+                .per_target
+                .values()
+                .map(|t| {
+                    let kernel = KsmStat::read(t.pid);
+                    TargetStatus {
+                        ksm_merging_pages: kernel.map(|k| k.merging_pages),
+                        ksm_process_profit: kernel.map(|k| k.process_profit),
+                        ..t.clone()
+                    }
+                })
+                .collect(),
+        }
     }
 
     /// Counts writes the tracer saw on pages that were merged at the previous pass, and backs
@@ -643,6 +705,9 @@ impl Daemon {
                     .filter(|page| merged.contains(page))
                     .collect();
                 breaks += broken.len() as u64;
+                if let Some(t) = self.per_target.get_mut(&p.pid) {
+                    t.cow_breaks += broken.len() as u64;
+                }
                 let regions: HashSet<u64> =
                     broken.iter().map(|page| page >> REGION_SHIFT).collect();
                 for region in regions {
@@ -755,6 +820,19 @@ impl Daemon {
             .keys()
             .map(|&pid| self.marker.marked_pages(pid))
             .sum();
+        for p in &report.processes {
+            if let Some(t) = self.per_target.get_mut(&p.pid) {
+                t.pages_shared = p.counts.ksm_pages_shared;
+                t.pages_sharing = p.counts.ksm_pages_sharing;
+                t.pages_volatile = p.counts.volatile_pages;
+                t.pages_hashed += p.counts.pages_hashed;
+                t.pages_skipped_clean += p.counts.pages_skipped_clean;
+                t.pages_marked = self.marker.marked_pages(p.pid);
+                if let Some(hub) = &self.hub {
+                    t.write_faults = hub.borrow().counters(p.pid).0;
+                }
+            }
+        }
         if let Ok(k) = ksmd::counters(&self.config.ksm_root) {
             s.pages_unshared = k.pages_unshared;
         }
@@ -829,6 +907,11 @@ impl Daemon {
         }
         stats
     }
+}
+
+fn unix_time(t: SystemTime) -> f64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// Pages in MiB.

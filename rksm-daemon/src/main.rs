@@ -11,11 +11,12 @@ mod cli;
 
 fn main() -> ExitCode {
     let args = cli::Cli::parse();
-    cli::init_logging();
     match cli::run(args) {
         Ok(()) => ExitCode::SUCCESS,
+        // The reader went away (`rksm man | head`): nothing left to say to anyone.
+        Err(err) if is_broken_pipe(&err) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("rksm: {err:#}");
+            eprintln!("rksm: {}", one_line(&err));
             if err.downcast_ref::<cli::BadInput>().is_some() {
                 ExitCode::from(2)
             } else {
@@ -23,4 +24,24 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+/// The error and its causes on one line, each cause once (many errors already quote theirs).
+fn one_line(err: &anyhow::Error) -> String {
+    let mut line = err.to_string();
+    for cause in err.chain().skip(1) {
+        let cause = cause.to_string();
+        if !line.contains(&cause) {
+            line = format!("{line}: {cause}");
+        }
+    }
+    line.replace('\n', " ")
+}
+
+fn is_broken_pipe(err: &anyhow::Error) -> bool {
+    err.chain().any(|cause| {
+        cause
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
+    })
 }

@@ -151,6 +151,56 @@ pub fn clock_ticks_per_second() -> f64 {
         .max(1) as f64
 }
 
+/// The kernel's own KSM account of one process, from /proc/PID/ksm_stat: the evidence rksm's
+/// status shows next to its own counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct KsmStat {
+    /// Pages of the process mapped to KSM pages (`ksm_merging_pages`).
+    pub merging_pages: u64,
+    /// Zero pages KSM mapped in place of zero-filled ones (`ksm_zero_pages`).
+    pub zero_pages: u64,
+    /// ksmd's bookkeeping entries for the process (`ksm_rmap_items`).
+    pub rmap_items: u64,
+    /// Bytes KSM saved in the process minus its bookkeeping (`ksm_process_profit`, may be
+    /// negative).
+    pub process_profit: i64,
+}
+
+impl KsmStat {
+    /// Parses the file's `name value` lines; lines it does not know (`ksm_merge_any: no`,
+    /// fields of later kernels) are skipped. `None` if a known field holds no number.
+    ///
+    /// ```
+    /// let stat = rksm::procfs::KsmStat::parse(
+    ///     "ksm_rmap_items 7\nksm_zero_pages 0\nksm_merging_pages 5\nksm_process_profit -20\nksm_merge_any: no\n",
+    /// )
+    /// .unwrap();
+    /// assert_eq!((stat.merging_pages, stat.process_profit), (5, -20));
+    /// ```
+    pub fn parse(text: &str) -> Option<KsmStat> {
+        let mut stat = KsmStat::default();
+        for line in text.lines() {
+            let mut words = line.split_whitespace();
+            let (Some(name), Some(value)) = (words.next(), words.next()) else {
+                continue;
+            };
+            match name {
+                "ksm_merging_pages" => stat.merging_pages = value.parse().ok()?,
+                "ksm_zero_pages" => stat.zero_pages = value.parse().ok()?,
+                "ksm_rmap_items" => stat.rmap_items = value.parse().ok()?,
+                "ksm_process_profit" => stat.process_profit = value.parse().ok()?,
+                _ => {}
+            }
+        }
+        Some(stat)
+    }
+
+    /// Reads /proc/PID/ksm_stat (absent before Linux 6.1, and for exited processes).
+    pub fn read(pid: u32) -> Option<KsmStat> {
+        Self::parse(&std::fs::read_to_string(format!("/proc/{pid}/ksm_stat")).ok()?)
+    }
+}
+
 /// One 64-bit entry of /proc/PID/pagemap (Documentation/admin-guide/mm/pagemap.rst).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PagemapEntry(pub u64);
@@ -399,6 +449,27 @@ mod tests {
             proptest::prop_assert_eq!(vma.name.as_str(), name.trim());
         }
 
+        /// Any ksm_stat text parses or is refused without a panic; the kernel's format round
+        /// trips.
+        #[test]
+        fn ksm_stat_parsing_never_panics(text in "\\PC{0,200}") {
+            let _ = KsmStat::parse(&text);
+        }
+
+        #[test]
+        fn well_formed_ksm_stat_round_trips(
+            rmap in 0u64..1 << 40, zero in 0u64..1 << 40, merging in 0u64..1 << 40,
+            profit in proptest::num::i64::ANY,
+        ) {
+            let text = format!(
+                "ksm_rmap_items {rmap}\nksm_zero_pages {zero}\nksm_merging_pages {merging}\nksm_process_profit {profit}\nksm_merge_any: no\nksm_mergeable: yes\n"
+            );
+            proptest::prop_assert_eq!(
+                KsmStat::parse(&text),
+                Some(KsmStat { merging_pages: merging, zero_pages: zero, rmap_items: rmap, process_profit: profit })
+            );
+        }
+
         /// Every pagemap bit pattern decodes without panicking, consistently.
         #[test]
         fn pagemap_entries_decode_consistently(raw in proptest::num::u64::ANY) {
@@ -422,6 +493,23 @@ mod tests {
             }
         }
         assert!(lines >= 20, "corpus too small: {lines} lines");
+    }
+
+    #[test]
+    fn every_ksm_stat_in_the_corpus_parses() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz-corpus");
+        let mut merged = 0;
+        for entry in std::fs::read_dir(dir).unwrap().flatten() {
+            if entry.file_name().to_string_lossy().starts_with("ksm_stat-") {
+                let text = std::fs::read_to_string(entry.path()).unwrap();
+                let stat = KsmStat::parse(&text).expect("parses");
+                merged += stat.merging_pages;
+            }
+        }
+        assert!(
+            merged > 0,
+            "the corpus should hold a merged process's ksm_stat"
+        );
     }
 
     #[test]

@@ -99,6 +99,7 @@ fn record_write_fault(ctx: &TracePointContext) {
     if first_loss {
         warn!(
             ctx,
+            target: "rksm::ebpf",
             "write record ring full: tgid {} is now treated as fully written", tgid
         );
     }

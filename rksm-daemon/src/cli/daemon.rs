@@ -2,7 +2,9 @@
 
 use std::{
     io::{self, Write},
+    net::SocketAddr,
     os::fd::{AsFd, FromRawFd, OwnedFd},
+    path::PathBuf,
     process::{Command, ExitStatus},
     time::{Duration, Instant},
 };
@@ -15,29 +17,36 @@ use nix::sys::{
 };
 use rksm::{
     checksum::ChecksumKind,
+    config::ConfigFile,
     daemon::{mib, Daemon, DaemonConfig, DaemonError, DaemonStats, DirtyMode, DomainPolicy},
+    status::{StatusServer, DEFAULT_SOCKET},
     targets::TargetSpec,
 };
 
 use super::{targets::TargetArgs, BadInput};
 
-/// Options shared by `daemon` and `run`.
+/// Options shared by `daemon` and `run`. Each has a key of the same name in the
+/// configuration file; a flag given here wins over the file.
 #[derive(Debug, Args)]
 pub struct DaemonOptions {
+    /// Configuration file [default: /etc/rksm/rksm.toml, if it exists].
+    #[arg(long, value_name = "PATH")]
+    pub config: Option<PathBuf>,
     /// Dirty source: ebpf, pagemap, hash-only, or auto (ebpf if the tracer loads, else
-    /// pagemap, else hash-only).
-    #[arg(long, value_name = "MODE", default_value = "auto")]
-    dirty: DirtyMode,
-    /// Checksum for the gate.
-    #[arg(long, value_name = "xxh64|crc32c", default_value = "xxh64")]
-    checksum: ChecksumKind,
+    /// pagemap, else hash-only) [default: auto].
+    #[arg(long, value_name = "MODE")]
+    dirty: Option<DirtyMode>,
+    /// Checksum for the gate [default: xxh64].
+    #[arg(long, value_name = "xxh64|crc32c")]
+    checksum: Option<ChecksumKind>,
     /// Which targets may share merged pages: uid (same user), cgroup (same cgroup) or none
-    /// (all). A content is marked in one domain only, so ksmd cannot merge across domains.
-    #[arg(long, value_name = "uid|cgroup|none", default_value = "uid")]
-    domain: DomainPolicy,
-    /// Seconds between passes.
-    #[arg(long, value_name = "SECS", default_value_t = 5.0, value_parser = parse_interval)]
-    interval: f64,
+    /// (all). A content is marked in one domain only, so ksmd cannot merge across domains
+    /// [default: uid].
+    #[arg(long, value_name = "uid|cgroup|none")]
+    domain: Option<DomainPolicy>,
+    /// Seconds between passes [default: 5].
+    #[arg(long, value_name = "SECS", value_parser = parse_interval)]
+    interval: Option<f64>,
     /// Stop after this many seconds.
     #[arg(long, value_name = "SECS", value_parser = parse_interval, conflicts_with = "passes")]
     duration: Option<f64>,
@@ -47,6 +56,50 @@ pub struct DaemonOptions {
     /// Print the final counters as one JSON object.
     #[arg(long)]
     json: bool,
+    /// The root-only socket `rksm status` asks [default: /run/rksm/rksm.sock].
+    #[arg(long, value_name = "PATH")]
+    socket: Option<PathBuf>,
+    /// Also serve Prometheus metrics over HTTP at this address, e.g. 127.0.0.1:9464 (off
+    /// unless given).
+    #[arg(long, value_name = "ADDR")]
+    metrics_address: Option<SocketAddr>,
+}
+
+/// The daemon's settings once the command line and the configuration file are combined.
+#[derive(Debug)]
+struct Settings {
+    dirty: DirtyMode,
+    checksum: ChecksumKind,
+    domain: DomainPolicy,
+    interval: f64,
+    duration: Option<f64>,
+    passes: Option<u64>,
+    json: bool,
+    socket: PathBuf,
+    metrics_address: Option<SocketAddr>,
+}
+
+impl DaemonOptions {
+    fn settings(&self, file: &ConfigFile) -> Settings {
+        Settings {
+            dirty: self.dirty.or(file.dirty).unwrap_or_default(),
+            checksum: self
+                .checksum
+                .or(file.checksum)
+                .unwrap_or(ChecksumKind::Xxh64),
+            domain: self.domain.or(file.domain).unwrap_or_default(),
+            interval: self.interval.or(file.interval).unwrap_or(5.0),
+            duration: self.duration.or(file.duration),
+            passes: self.passes.or(file.passes),
+            json: self.json || file.json == Some(true),
+            socket: self
+                .socket
+                .clone()
+                .or_else(|| file.socket.clone())
+                .unwrap_or_else(|| DEFAULT_SOCKET.into()),
+            metrics_address: self.metrics_address.or(file.metrics_address),
+        }
+    }
 }
 
 fn parse_interval(s: &str) -> Result<f64, String> {
@@ -66,13 +119,13 @@ fn parse_interval(s: &str) -> Result<f64, String> {
 /// New processes matching the targets are picked up; exited ones dropped.
 #[derive(Debug, Args)]
 #[command(
-    after_help = "Example:\n  rksm daemon --comm '^python' --dirty ebpf --interval 2\n  rksm daemon --cgroup system.slice/workers.service --duration 600 --json"
+    after_help = "Example:\n  rksm daemon --comm '^python' --dirty ebpf --interval 2\n  rksm daemon --cgroup system.slice/workers.service --duration 600 --json\n  rksm daemon --config /etc/rksm/rksm.toml --metrics-address 127.0.0.1:9464\n\nFiles:\n  /etc/rksm/rksm.toml      settings (every flag has a key; flags win)\n  /run/rksm/rksm.sock      root-only socket `rksm status` asks\n  /run/rksm/ksmd-settings  ksmd's settings found at start, until restored\n  /run/rksm/daemon.lock    one daemon per host"
 )]
 pub struct DaemonArgs {
     #[command(flatten)]
     targets: TargetArgs,
     #[command(flatten)]
-    options: DaemonOptions,
+    pub options: DaemonOptions,
 }
 
 /// Start CMD and merge identical pages of it and its children until it exits.
@@ -82,23 +135,30 @@ pub struct DaemonArgs {
 #[command(after_help = "Example:\n  rksm run --dirty ebpf -- ./serve-model --workers 8")]
 pub struct RunArgs {
     #[command(flatten)]
-    options: DaemonOptions,
+    pub options: DaemonOptions,
     /// The command and its arguments.
     #[arg(last = true, required = true, value_name = "CMD")]
     command: Vec<String>,
 }
 
-pub fn run_daemon(args: DaemonArgs) -> anyhow::Result<()> {
-    let spec = args.targets.spec();
+pub fn run_daemon(args: DaemonArgs, file: &ConfigFile) -> anyhow::Result<()> {
+    let spec = args.targets.spec_or(file);
     if spec.is_empty() {
-        return Err(
-            BadInput("no targets given: use --pid, --cgroup, --comm or --all".into()).into(),
-        );
+        return Err(BadInput(
+            "no targets given: use --pid, --cgroup, --comm or --all, or their keys in the configuration file"
+                .into(),
+        )
+        .into());
     }
-    serve(spec, &args.options, None).map(|_| ())
+    serve(spec, &args.options.settings(file), None).map(|_| ())
 }
 
-pub fn run_command(args: RunArgs) -> anyhow::Result<()> {
+pub fn run_command(args: RunArgs, file: &ConfigFile) -> anyhow::Result<()> {
+    if file.has_targets() {
+        log::info!(
+            "`rksm run` works on its command: the configuration file's targets are not used"
+        );
+    }
     // Spawn before blocking signals: the child must not inherit the blocked mask.
     let mut child = Command::new(&args.command[0])
         .args(&args.command[1..])
@@ -109,7 +169,7 @@ pub fn run_command(args: RunArgs) -> anyhow::Result<()> {
         tree_of: Some(pid),
         ..TargetSpec::default()
     };
-    let result = serve(spec, &args.options, Some(pid));
+    let result = serve(spec, &args.options.settings(file), Some(pid));
     let status = child.wait().context("waiting for the command")?;
     result?;
     exit_like(status)
@@ -137,11 +197,7 @@ fn pidfd(pid: u32) -> anyhow::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
-fn serve(
-    spec: TargetSpec,
-    options: &DaemonOptions,
-    child: Option<u32>,
-) -> anyhow::Result<DaemonStats> {
+fn serve(spec: TargetSpec, options: &Settings, child: Option<u32>) -> anyhow::Result<DaemonStats> {
     let mut mask = SigSet::empty();
     mask.add(Signal::SIGINT);
     mask.add(Signal::SIGTERM);
@@ -162,10 +218,18 @@ fn serve(
         other => anyhow::Error::new(other),
     })?;
     log::info!(
-        "running with --dirty {} --checksum {}",
+        dirty = daemon.dirty_mode(), checksum = options.checksum.to_string().as_str(),
+        domain = options.domain.name(), interval = options.interval;
+        "running with --dirty {} --checksum {} --domain {}",
         daemon.dirty_mode(),
-        options.checksum
+        options.checksum,
+        options.domain
     );
+    let status = StatusServer::start(&options.socket, options.metrics_address)?;
+    status.publish(daemon.status());
+    if let Some(addr) = options.metrics_address {
+        log::info!("serving Prometheus metrics on http://{addr}/metrics");
+    }
     let started = Instant::now();
     let end = options
         .duration
@@ -177,8 +241,14 @@ fn serve(
     }
     for pass in 1.. {
         let summary = daemon.pass();
+        status.publish(daemon.status());
         let s = daemon.stats();
         log::info!(
+            pass, targets = summary.targets, pages_hashed = summary.pages_hashed,
+            pages_skipped_clean = summary.pages_skipped_clean, duplicates = summary.duplicates,
+            runs_marked = summary.runs_marked, cow_breaks = summary.cow_breaks,
+            seconds = summary.seconds, pages_sharing = s.pages_sharing,
+            pages_shared = s.pages_shared;
             "pass {pass} ({}): {summary}; merged: {} pages sharing {} KSM pages, saving {:.1} MiB",
             s.dirty_mode,
             s.pages_sharing,
@@ -194,6 +264,7 @@ fn serve(
             break;
         }
     }
+    drop(status);
     let stats = daemon.finish();
     let mut out = io::stdout().lock();
     if options.json {

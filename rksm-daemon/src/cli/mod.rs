@@ -1,12 +1,15 @@
 //! Flags, subcommands and how each maps onto the library.
 
-use std::io::Write;
+use std::path::PathBuf;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
+use rksm::config::{check_log_filter, ConfigFile, LogFormat};
 
 mod bench;
 mod daemon;
 mod estimate;
+mod logging;
+mod status;
 mod targets;
 mod trace;
 
@@ -29,6 +32,17 @@ pub struct BadInput(pub String);
 pub struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Log level or filter: error, warn, info, debug, trace, or TARGET=LEVEL directives,
+    /// comma-separated [default: RUST_LOG, else the configuration file's, else info].
+    #[arg(long, global = true, value_name = "FILTER", value_parser = parse_log_filter)]
+    log_level: Option<String>,
+    /// Log lines as text or as JSON objects [default: the configuration file's, else text].
+    #[arg(long, global = true, value_name = "text|json")]
+    log_format: Option<LogFormat>,
+}
+
+fn parse_log_filter(s: &str) -> Result<String, String> {
+    check_log_filter(s).map(|()| s.to_string())
 }
 
 #[derive(Debug, Subcommand)]
@@ -37,44 +51,101 @@ enum Command {
     Estimate(estimate::EstimateArgs),
     Daemon(daemon::DaemonArgs),
     Run(daemon::RunArgs),
+    Status(status::StatusArgs),
     Bench(bench::BenchArgs),
     Workload(bench::WorkloadArgs),
+    Completions(CompletionsArgs),
+    Man(ManArgs),
 }
 
-/// Runs the parsed command, after checking that rksm has the privileges it needs for it.
+/// Print shell completions for rksm.
+#[derive(Debug, clap::Args)]
+#[command(
+    after_help = "Example:\n  rksm completions bash > /etc/bash_completion.d/rksm\n  rksm completions zsh > /usr/local/share/zsh/site-functions/_rksm\n  rksm completions fish > ~/.config/fish/completions/rksm.fish"
+)]
+struct CompletionsArgs {
+    /// The shell.
+    #[arg(value_name = "bash|zsh|fish")]
+    shell: Shell,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum Shell {
+    Bash,
+    Zsh,
+    Fish,
+}
+
+/// Print rksm's man page (roff), generated from the same definitions as --help.
+#[derive(Debug, clap::Args)]
+#[command(
+    after_help = "Example:\n  rksm man > /usr/local/share/man/man1/rksm.1 && man rksm\n  rksm man --out-dir /usr/local/share/man/man1   # rksm.1 and rksm-SUBCOMMAND.1"
+)]
+struct ManArgs {
+    /// Write rksm.1 and one page per subcommand into this directory instead.
+    #[arg(long, value_name = "DIR")]
+    out_dir: Option<PathBuf>,
+}
+
+/// Runs the parsed command: reads the configuration file (for the commands that have one),
+/// starts logging, checks that rksm has the privileges the command needs, and runs it.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     use rksm::caps::{require, Capability::*};
+    let config_flag = match &cli.command {
+        Command::Daemon(args) => Some(args.options.config.as_deref()),
+        Command::Run(args) => Some(args.options.config.as_deref()),
+        Command::Status(args) => Some(args.config.as_deref()),
+        _ => None,
+    };
+    let (file, used) = match config_flag {
+        Some(flag) => ConfigFile::load(flag).map_err(|e| BadInput(e.to_string()))?,
+        None => (ConfigFile::default(), None),
+    };
+    logging::init(
+        &logging::filter(cli.log_level.as_deref(), file.log_level.as_deref()),
+        cli.log_format.or(file.log_format).unwrap_or_default(),
+    );
+    if let Some(path) = used {
+        log::debug!("configuration from {}", path.display());
+    }
     match &cli.command {
         Command::Trace(_) => require(&[Bpf, Perfmon])?,
-        Command::Estimate(_) => require(&[SysPtrace, SysAdmin])?,
+        Command::Estimate(_) => require(&[SysPtrace, SysAdmin, DacReadSearch])?,
         Command::Daemon(_) | Command::Run(_) | Command::Bench(_) => {
-            require(&[SysPtrace, SysAdmin, Bpf, Perfmon])?
+            require(&[SysPtrace, SysAdmin, Bpf, Perfmon, DacReadSearch])?
         }
-        Command::Workload(_) => {}
+        Command::Status(_) | Command::Workload(_) | Command::Completions(_) | Command::Man(_) => {}
     }
     match cli.command {
         Command::Trace(args) => trace::run(args),
         Command::Estimate(args) => estimate::run(args),
-        Command::Daemon(args) => daemon::run_daemon(args),
-        Command::Run(args) => daemon::run_command(args),
+        Command::Daemon(args) => daemon::run_daemon(args, &file),
+        Command::Run(args) => daemon::run_command(args, &file),
+        Command::Status(args) => status::run(args, &file),
         Command::Bench(args) => bench::run_bench(args),
         Command::Workload(args) => bench::run_workload(args),
+        Command::Completions(args) => {
+            let shell = match args.shell {
+                Shell::Bash => clap_complete::Shell::Bash,
+                Shell::Zsh => clap_complete::Shell::Zsh,
+                Shell::Fish => clap_complete::Shell::Fish,
+            };
+            clap_complete::generate(shell, &mut Cli::command(), "rksm", &mut std::io::stdout());
+            Ok(())
+        }
+        Command::Man(args) => man(args.out_dir),
     }
 }
 
-/// Logs go to stderr; `RUST_LOG` sets the level (default `info`). The eBPF program's own log
-/// lines arrive through the same logger, under the target `rksm`.
-pub fn init_logging() {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
-        .format(|buf, record| {
-            writeln!(
-                buf,
-                "rksm: {}: {}",
-                record.level().as_str().to_lowercase(),
-                record.args()
-            )
-        })
-        .init();
+fn man(out_dir: Option<PathBuf>) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let command = Cli::command();
+    let Some(dir) = out_dir else {
+        clap_mangen::Man::new(command).render(&mut std::io::stdout())?;
+        return Ok(());
+    };
+    clap_mangen::generate_to(command, &dir).with_context(|| format!("{}", dir.display()))?;
+    Ok(())
 }
 
 #[cfg(test)]
@@ -89,7 +160,9 @@ mod tests {
         fn argument_parsing_never_panics(args in proptest::collection::vec(
             proptest::prop_oneof![
                 proptest::sample::select(vec![
-                    "trace", "estimate", "daemon", "run", "bench", "workload", "--pid", "--cgroup",
+                    "trace", "estimate", "daemon", "run", "bench", "workload", "status", "completions",
+                    "man", "--config", "--log-level", "--log-format", "--socket", "--metrics-address",
+                    "--pid", "--cgroup",
                     "--comm", "--all", "--min-age", "--dirty", "--checksum", "--interval", "--duration",
                     "--passes", "--json", "--profile", "--quick", "--out", "--", "-h", "0", "1", "-1",
                     "4294967296", "nan", "inf", "1e999", "xxh64", "crc32c", "ebpf", "(", "",

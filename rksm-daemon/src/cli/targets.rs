@@ -4,7 +4,10 @@ use std::{path::PathBuf, time::Duration};
 
 use clap::Args;
 use regex::Regex;
-use rksm::targets::{Selection, SelectionError, TargetSpec};
+use rksm::{
+    config::ConfigFile,
+    targets::{Selection, SelectionError, TargetSpec},
+};
 
 use super::BadInput;
 
@@ -56,6 +59,20 @@ impl TargetArgs {
             min_age: self.min_age.map(Duration::from_secs_f64),
             tree_of: None,
         }
+    }
+
+    /// The selection these flags describe, or the configuration file's if they select
+    /// nothing (`--min-age` still wins over the file's `min_age`).
+    pub fn spec_or(&self, file: &ConfigFile) -> TargetSpec {
+        let mut spec = self.spec();
+        if spec.is_empty() {
+            spec.pids = file.pid.clone();
+            spec.cgroups = file.cgroup.clone();
+            spec.comm = file.comm.clone();
+            spec.all = file.all == Some(true);
+        }
+        spec.min_age = spec.min_age.or(file.min_age.map(Duration::from_secs_f64));
+        spec
     }
 
     /// Resolves the selection; every error is the operator's input (exit status 2).

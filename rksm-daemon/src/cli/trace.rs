@@ -43,6 +43,19 @@ pub struct TraceArgs {
     /// Print one JSON object at the end instead of the per-second lines and the table.
     #[arg(long)]
     json: bool,
+    /// Size of the tracer's record ring: a power of two from 4096 (each write fault takes 24
+    /// bytes; faults that find the ring full are counted as lost) [default: 8388608].
+    #[arg(long, value_name = "BYTES", value_parser = parse_ring_bytes)]
+    ring_bytes: Option<u32>,
+}
+
+fn parse_ring_bytes(s: &str) -> Result<u32, String> {
+    match s.parse::<u32>() {
+        Ok(v) if v.is_power_of_two() && (4096..=1 << 30).contains(&v) => Ok(v),
+        _ => Err(format!(
+            "`{s}` is not a power of two between 4096 and 1073741824"
+        )),
+    }
 }
 
 fn parse_seconds(s: &str) -> Result<f64, String> {
@@ -112,7 +125,13 @@ async fn readable(fd: Option<&AsyncFd<OwnedFd>>) -> io::Result<AsyncFdReadyGuard
 
 async fn trace(processes: Vec<Process>, args: &TraceArgs) -> anyhow::Result<()> {
     let pids: Vec<String> = processes.iter().map(|p| p.pid().to_string()).collect();
-    let mut session = TraceSession::start(processes, TracerConfig::default())?;
+    let config = TracerConfig {
+        ring_bytes: args
+            .ring_bytes
+            .unwrap_or(TracerConfig::default().ring_bytes),
+        ..TracerConfig::default()
+    };
+    let mut session = TraceSession::start(processes, config)?;
     let started = Instant::now();
     eprintln!(
         "rksm: tracing write faults of pid {} ({})",

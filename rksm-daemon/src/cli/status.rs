@@ -1,0 +1,139 @@
+//! `rksm status`.
+
+use std::{io::Write, path::PathBuf, time::SystemTime};
+
+use clap::Args;
+use rksm::{
+    config::ConfigFile,
+    daemon::mib,
+    status::{query, render_metrics, Status, DEFAULT_SOCKET},
+};
+
+/// Show what the running daemon is doing: its modes, counters, last pass and targets.
+///
+/// Asks the daemon over its root-only socket; nothing is stopped or changed.
+#[derive(Debug, Args)]
+#[command(
+    after_help = "Example:\n  sudo rksm status\n  sudo rksm status --json | jq .counters.pages_sharing\n  sudo rksm status --metrics > /var/lib/node_exporter/textfile/rksm.prom"
+)]
+pub struct StatusArgs {
+    /// Print the status as one JSON object.
+    #[arg(long, conflicts_with = "metrics")]
+    json: bool,
+    /// Print Prometheus text exposition.
+    #[arg(long)]
+    metrics: bool,
+    /// The daemon's socket [default: the configuration file's, else /run/rksm/rksm.sock].
+    #[arg(long, value_name = "PATH")]
+    socket: Option<PathBuf>,
+    /// Configuration file, for its `socket` key [default: /etc/rksm/rksm.toml, if it exists].
+    #[arg(long, value_name = "PATH")]
+    pub config: Option<PathBuf>,
+}
+
+pub fn run(args: StatusArgs, file: &ConfigFile) -> anyhow::Result<()> {
+    let socket = args
+        .socket
+        .or_else(|| file.socket.clone())
+        .unwrap_or_else(|| DEFAULT_SOCKET.into());
+    let status = query(&socket)?;
+    let mut out = std::io::stdout().lock();
+    if args.json {
+        serde_json::to_writer(&mut out, &status)?;
+        writeln!(out)?;
+    } else if args.metrics {
+        out.write_all(render_metrics(&status).as_bytes())?;
+    } else {
+        out.write_all(human(&status, SystemTime::now()).as_bytes())?;
+    }
+    Ok(())
+}
+
+fn human(s: &Status, now: SystemTime) -> String {
+    let now = now
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    let c = &s.counters;
+    let mut text = format!(
+        "rksm {} (pid {}), up {:.0} s: --dirty {} --checksum {} --domain {}\n",
+        s.version,
+        s.daemon_pid,
+        (now - s.started_unix).max(0.0),
+        s.dirty_mode,
+        s.checksum,
+        s.domain
+    );
+    match &s.last_pass {
+        Some(p) => text += &format!(
+            "last pass: #{} ended {:.1} s ago, took {:.3} s: {} targets, hashed {} skipped {} pages, {} duplicates, marked {} runs\n",
+            p.number,
+            (now - p.ended_unix).max(0.0),
+            p.seconds,
+            p.targets,
+            p.pages_hashed,
+            p.pages_skipped_clean,
+            p.duplicates,
+            p.runs_marked
+        ),
+        None => text += "last pass: none yet\n",
+    }
+    text += &format!(
+        "merged: {} pages sharing {} KSM pages ({:.1} MiB saved); {} marked; {} unshared\n\
+         all passes: {} full scans, hashed {} pages, skipped {} clean, {:.1} ms in checksums; {} write faults ({} lost), {} cow breaks, {} remote syscalls\n",
+        c.pages_sharing,
+        c.pages_shared,
+        mib(c.pages_sharing),
+        c.pages_marked,
+        c.pages_unshared,
+        c.full_scans,
+        c.pages_hashed,
+        c.pages_skipped_clean,
+        c.checksum_ns as f64 / 1e6,
+        c.write_faults,
+        c.tracer_lost,
+        c.cow_breaks,
+        c.remote_syscalls
+    );
+    if !c.targets_refused.is_empty() {
+        let refused: Vec<String> = c
+            .targets_refused
+            .iter()
+            .map(|(reason, n)| format!("{n} {reason}"))
+            .collect();
+        text += &format!("refused: {}\n", refused.join(", "));
+    }
+    if let Some(run) = c.ksmd_taken_back {
+        text += &format!("ksmd: run set to {run} by someone else; rksm no longer paces it\n");
+    }
+    // KERNEL: the process's pages mapped to KSM pages, as /proc/PID/ksm_stat says.
+    text += &format!(
+        "\n{:>8} {:<16} {:>9} {:>9} {:>9} {:>12} {:>12} {:>9} {:>7}  {}\n",
+        "PID",
+        "COMM",
+        "SHARING",
+        "SHARED",
+        "MARKED",
+        "HASHED",
+        "SKIPPED",
+        "FAULTS",
+        "COW",
+        "DOMAIN"
+    );
+    for t in &s.targets {
+        text += &format!(
+            "{:>8} {:<16} {:>9} {:>9} {:>9} {:>9} {:>12} {:>12} {:>9} {:>7}  {}\n",
+            t.pid,
+            t.comm,
+            t.pages_sharing,
+            t.pages_shared,
+            t.ksm_merging_pages.map_or("-".into(), |n| n.to_string()),
+            t.pages_marked,
+            t.pages_hashed,
+            t.pages_skipped_clean,
+            t.write_faults,
+            t.cow_breaks,
+            t.domain
+        );
+    }
+    text
+}

@@ -1,0 +1,613 @@
+//! What a running daemon is doing, for `rksm status` and for Prometheus.
+//!
+//! Operators ask a running service what it is doing without stopping it or reading its logs.
+//! The daemon publishes a [`Status`] after every pass; a [`StatusServer`] thread hands the
+//! latest one to whoever connects to a root-only unix socket (as one JSON object), and, only
+//! if asked for, serves it as Prometheus text on an HTTP address (meant for 127.0.0.1). The
+//! daemon's loop never waits on a client: the server thread answers from the last snapshot.
+//!
+//! ```
+//! use rksm::status::{Status, render_metrics};
+//! let text = render_metrics(&Status::default());
+//! assert!(text.contains("# TYPE rksm_full_scans counter\nrksm_full_scans 0\n"));
+//! ```
+
+use std::{
+    fmt::Write as _,
+    io::{self, Read, Write},
+    net::{SocketAddr, TcpListener, TcpStream},
+    os::{
+        fd::AsFd,
+        unix::{
+            fs::FileTypeExt,
+            net::{UnixListener, UnixStream},
+        },
+    },
+    path::{Path, PathBuf},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc, Mutex,
+    },
+    thread::JoinHandle,
+    time::Duration,
+};
+
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use serde::{Deserialize, Serialize};
+
+use crate::daemon::DaemonStats;
+
+/// Where `rksm status` finds the daemon unless told otherwise.
+pub const DEFAULT_SOCKET: &str = "/run/rksm/rksm.sock";
+
+/// Errors serving or asking for the status.
+#[derive(Debug, thiserror::Error)]
+pub enum StatusError {
+    /// The socket or the metrics address cannot be set up.
+    #[error("{what}: {source}")]
+    Listen {
+        /// The socket path or address.
+        what: String,
+        /// What failed.
+        source: io::Error,
+    },
+    /// No daemon answers on the socket.
+    #[error("no rksm daemon is answering on {socket} ({source}); is `rksm daemon` running?")]
+    NotRunning {
+        /// The socket.
+        socket: PathBuf,
+        /// What failed.
+        source: io::Error,
+    },
+    /// Something answered, but not with a status.
+    #[error("{socket}: not an rksm status: {reason}")]
+    BadReply {
+        /// The socket.
+        socket: PathBuf,
+        /// What was wrong.
+        reason: String,
+    },
+}
+
+/// Everything `rksm status` shows.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Status {
+    /// rksm's version.
+    pub version: String,
+    /// The daemon's pid.
+    pub daemon_pid: u32,
+    /// The dirty mode in use.
+    pub dirty_mode: String,
+    /// The checksum gate.
+    pub checksum: String,
+    /// The merge-domain policy.
+    pub domain: String,
+    /// When the daemon started (seconds since the Unix epoch).
+    pub started_unix: f64,
+    /// The last pass, once there was one.
+    pub last_pass: Option<LastPass>,
+    /// The daemon's counters.
+    pub counters: DaemonStats,
+    /// Every current target.
+    pub targets: Vec<TargetStatus>,
+}
+
+/// The last pass.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct LastPass {
+    /// Its number (1 for the first).
+    pub number: u64,
+    /// When it ended (seconds since the Unix epoch).
+    pub ended_unix: f64,
+    /// How long it took.
+    pub seconds: f64,
+    /// Targets scanned.
+    pub targets: usize,
+    /// Pages hashed.
+    pub pages_hashed: u64,
+    /// Pages skipped as clean.
+    pub pages_skipped_clean: u64,
+    /// Verified duplicates found.
+    pub duplicates: u64,
+    /// Runs newly marked.
+    pub runs_marked: u64,
+}
+
+/// One target's counters.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct TargetStatus {
+    /// Process id.
+    pub pid: u32,
+    /// Command name.
+    pub comm: String,
+    /// Its merge domain.
+    pub domain: String,
+    /// KSM frames first seen in this target (last pass).
+    pub pages_shared: u64,
+    /// Further mappings of KSM frames in this target (last pass): memory saved.
+    pub pages_sharing: u64,
+    /// Pages whose checksum changed since the pass before (last pass).
+    pub pages_volatile: u64,
+    /// Pages marked mergeable.
+    pub pages_marked: u64,
+    /// Pages read and checksummed since it became a target.
+    pub pages_hashed: u64,
+    /// Pages skipped as clean since it became a target.
+    pub pages_skipped_clean: u64,
+    /// Write faults the tracer saw.
+    pub write_faults: u64,
+    /// Writes to merged pages the tracer saw.
+    pub cow_breaks: u64,
+    /// The kernel's own count of the process's pages mapped to KSM pages
+    /// (/proc/PID/ksm_stat), when it has one.
+    pub ksm_merging_pages: Option<u64>,
+    /// The kernel's `ksm_process_profit` for the process, in bytes.
+    pub ksm_process_profit: Option<i64>,
+}
+
+/// Prometheus text exposition (version 0.0.4) of `status`: daemon-wide counters without
+/// labels, per-target ones with `pid` and `comm` labels (sum them for totals).
+pub fn render_metrics(status: &Status) -> String {
+    let mut out = String::new();
+    let c = &status.counters;
+    let mut family = |name: &str, kind: &str, help: &str, samples: &[(String, f64)]| {
+        let _ = writeln!(out, "# HELP rksm_{name} {help}\n# TYPE rksm_{name} {kind}");
+        for (labels, value) in samples {
+            let _ = writeln!(out, "rksm_{name}{labels} {value}");
+        }
+    };
+    let one = |v: u64| vec![(String::new(), v as f64)];
+    family(
+        "info",
+        "gauge",
+        "The running daemon's version and modes.",
+        &[(
+            labels(&[
+                ("version", &status.version),
+                ("dirty_mode", &status.dirty_mode),
+                ("checksum", &status.checksum),
+                ("domain", &status.domain),
+            ]),
+            1.0,
+        )],
+    );
+    family(
+        "full_scans",
+        "counter",
+        "Passes completed.",
+        &one(c.full_scans),
+    );
+    family(
+        "pass_seconds",
+        "gauge",
+        "Wall time of the last pass.",
+        &[(
+            String::new(),
+            status.last_pass.as_ref().map_or(0.0, |p| p.seconds),
+        )],
+    );
+    family(
+        "last_pass_timestamp_seconds",
+        "gauge",
+        "When the last pass ended (Unix time).",
+        &[(
+            String::new(),
+            status.last_pass.as_ref().map_or(0.0, |p| p.ended_unix),
+        )],
+    );
+    family(
+        "targets",
+        "gauge",
+        "Current targets.",
+        &one(status.targets.len() as u64),
+    );
+    family(
+        "pages_unshared",
+        "gauge",
+        "Marked pages ksmd found unique (ksmd's counter).",
+        &one(c.pages_unshared),
+    );
+    family(
+        "checksum_ns",
+        "counter",
+        "Time spent in checksums.",
+        &one(c.checksum_ns),
+    );
+    family(
+        "tracer_lost",
+        "counter",
+        "Write faults the tracer could not record.",
+        &one(c.tracer_lost),
+    );
+    family(
+        "remote_syscalls",
+        "counter",
+        "System calls made inside targets.",
+        &one(c.remote_syscalls),
+    );
+    family(
+        "regions_backed_off",
+        "gauge",
+        "2 MiB regions not marked because their merged pages keep breaking.",
+        &one(c.regions_backed_off),
+    );
+    let refused: Vec<(String, f64)> = c
+        .targets_refused
+        .iter()
+        .map(|(reason, &n)| (labels(&[("reason", reason)]), n as f64))
+        .collect();
+    family(
+        "targets_refused",
+        "counter",
+        "Processes refused, by reason.",
+        &refused,
+    );
+    // Per target; `None` (the kernel has no ksm_stat for it) leaves the series out.
+    type Field = fn(&TargetStatus) -> Option<f64>;
+    let per_target: [(&str, &str, &str, Field); 10] = [
+        (
+            "pages_shared",
+            "gauge",
+            "KSM frames first seen in the target (last pass).",
+            |t| Some(t.pages_shared as f64),
+        ),
+        (
+            "pages_sharing",
+            "gauge",
+            "Further mappings of KSM frames in the target, the memory saved (last pass).",
+            |t| Some(t.pages_sharing as f64),
+        ),
+        (
+            "pages_volatile",
+            "gauge",
+            "Pages whose checksum changed since the pass before (last pass).",
+            |t| Some(t.pages_volatile as f64),
+        ),
+        ("pages_marked", "gauge", "Pages marked mergeable.", |t| {
+            Some(t.pages_marked as f64)
+        }),
+        (
+            "pages_hashed",
+            "counter",
+            "Pages read and checksummed.",
+            |t| Some(t.pages_hashed as f64),
+        ),
+        (
+            "pages_skipped_clean",
+            "counter",
+            "Pages the dirty source proved clean and were not read.",
+            |t| Some(t.pages_skipped_clean as f64),
+        ),
+        (
+            "write_faults",
+            "counter",
+            "Write faults the tracer saw.",
+            |t| Some(t.write_faults as f64),
+        ),
+        (
+            "cow_breaks",
+            "counter",
+            "Writes the tracer saw to merged pages.",
+            |t| Some(t.cow_breaks as f64),
+        ),
+        (
+            "ksm_merging_pages",
+            "gauge",
+            "The kernel's count of the target's pages mapped to KSM pages (/proc/PID/ksm_stat).",
+            |t| t.ksm_merging_pages.map(|v| v as f64),
+        ),
+        (
+            "ksm_process_profit",
+            "gauge",
+            "The kernel's ksm_process_profit for the target, in bytes.",
+            |t| t.ksm_process_profit.map(|v| v as f64),
+        ),
+    ];
+    for (name, kind, help, field) in per_target {
+        let samples: Vec<(String, f64)> = status
+            .targets
+            .iter()
+            .filter_map(|t| {
+                let value = field(t)?;
+                Some((
+                    labels(&[("pid", &t.pid.to_string()), ("comm", &t.comm)]),
+                    value,
+                ))
+            })
+            .collect();
+        family(name, kind, help, &samples);
+    }
+    out
+}
+
+/// `{a="x",b="y"}` with Prometheus escaping.
+fn labels(pairs: &[(&str, &str)]) -> String {
+    let inner: Vec<String> = pairs
+        .iter()
+        .map(|(k, v)| {
+            let v = v
+                .replace('\\', "\\\\")
+                .replace('"', "\\\"")
+                .replace('\n', "\\n");
+            format!("{k}=\"{v}\"")
+        })
+        .collect();
+    format!("{{{}}}", inner.join(","))
+}
+
+/// Serves the latest [`Status`] from a thread, until dropped.
+pub struct StatusServer {
+    latest: Arc<Mutex<Status>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+    socket: PathBuf,
+}
+
+impl StatusServer {
+    /// Listens on `socket` (created mode 0600, so only root can connect; a stale socket left
+    /// by a dead daemon is replaced, any other file is not) and, if given, serves metrics
+    /// over HTTP on `metrics`.
+    pub fn start(socket: &Path, metrics: Option<SocketAddr>) -> Result<Self, StatusError> {
+        let listen_err = |what: String| move |source| StatusError::Listen { what, source };
+        let sock_err = listen_err(socket.display().to_string());
+        if let Some(dir) = socket.parent() {
+            std::fs::create_dir_all(dir).map_err(listen_err(dir.display().to_string()))?;
+        }
+        match std::fs::symlink_metadata(socket) {
+            Ok(meta) if meta.file_type().is_socket() => {
+                std::fs::remove_file(socket).map_err(listen_err(socket.display().to_string()))?
+            }
+            Ok(_) => {
+                return Err(sock_err(io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    "exists and is not a socket",
+                )))
+            }
+            Err(_) => {}
+        }
+        // The socket file takes its mode from the umask at bind: closed to all but root from
+        // its first instant. Nothing else runs in rksm while the umask is narrowed.
+        // SAFETY: umask only swaps the process's file-creation mask.
+        let old = unsafe { libc::umask(0o177) };
+        let unix = UnixListener::bind(socket);
+        // SAFETY: as above, putting the mask back.
+        unsafe { libc::umask(old) };
+        let unix = unix.map_err(sock_err)?;
+        unix.set_nonblocking(true)
+            .map_err(listen_err(socket.display().to_string()))?;
+        let http = metrics
+            .map(|addr| {
+                let listener = TcpListener::bind(addr).map_err(listen_err(addr.to_string()))?;
+                listener
+                    .set_nonblocking(true)
+                    .map_err(listen_err(addr.to_string()))?;
+                Ok::<_, StatusError>(listener)
+            })
+            .transpose()?;
+        let latest = Arc::new(Mutex::new(Status::default()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let (latest, stop) = (latest.clone(), stop.clone());
+            std::thread::Builder::new()
+                .name("rksm-status".into())
+                .spawn(move || serve(&unix, http.as_ref(), &latest, &stop))
+                .map_err(listen_err("status thread".into()))?
+        };
+        Ok(StatusServer {
+            latest,
+            stop,
+            thread: Some(thread),
+            socket: socket.into(),
+        })
+    }
+
+    /// Replaces the status served.
+    pub fn publish(&self, status: Status) {
+        *self.latest.lock().unwrap_or_else(|p| p.into_inner()) = status;
+    }
+}
+
+impl Drop for StatusServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
+fn serve(
+    unix: &UnixListener,
+    http: Option<&TcpListener>,
+    latest: &Mutex<Status>,
+    stop: &AtomicBool,
+) {
+    let snapshot = || latest.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    while !stop.load(Ordering::Relaxed) {
+        let mut fds = vec![PollFd::new(unix.as_fd(), PollFlags::POLLIN)];
+        if let Some(http) = http {
+            fds.push(PollFd::new(http.as_fd(), PollFlags::POLLIN));
+        }
+        if poll(&mut fds, PollTimeout::from(200u16)).unwrap_or(0) <= 0 {
+            continue;
+        }
+        drop(fds);
+        if let Ok((stream, _)) = unix.accept() {
+            if let Err(e) = answer_unix(stream, &snapshot()) {
+                log::debug!("status client: {e}");
+            }
+        }
+        if let Some(Ok((stream, peer))) = http.map(TcpListener::accept) {
+            if let Err(e) = answer_http(stream, &snapshot()) {
+                log::debug!("metrics client {peer}: {e}");
+            }
+        }
+    }
+}
+
+fn answer_unix(mut stream: UnixStream, status: &Status) -> io::Result<()> {
+    stream.set_nonblocking(false)?;
+    stream.set_write_timeout(Some(Duration::from_secs(2)))?;
+    // Only root: the socket's mode says so already; the peer's credentials say it again.
+    let peer = nix::sys::socket::getsockopt(&stream, nix::sys::socket::sockopt::PeerCredentials)
+        .map_err(io::Error::from)?;
+    if peer.uid() != 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("uid {} is not root", peer.uid()),
+        ));
+    }
+    let mut body = serde_json::to_vec(status).map_err(io::Error::other)?;
+    body.push(b'\n');
+    stream.write_all(&body)
+}
+
+fn answer_http(mut stream: TcpStream, status: &Status) -> io::Result<()> {
+    stream.set_nonblocking(false)?;
+    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+    stream.set_write_timeout(Some(Duration::from_secs(2)))?;
+    let mut request = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !request.windows(4).any(|w| w == b"\r\n\r\n") && request.len() < 8192 {
+        let n = stream.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        request.extend_from_slice(&buf[..n]);
+    }
+    let line = String::from_utf8_lossy(&request);
+    let target = line.split_whitespace().nth(1).unwrap_or("");
+    let (code, body) = match (line.starts_with("GET "), target) {
+        (true, "/metrics") => ("200 OK", render_metrics(status)),
+        (true, _) => ("404 Not Found", "rksm serves /metrics\n".into()),
+        (false, _) => ("405 Method Not Allowed", "GET only\n".into()),
+    };
+    write!(
+        stream,
+        "HTTP/1.1 {code}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+/// Asks the daemon listening on `socket` for its status.
+pub fn query(socket: &Path) -> Result<Status, StatusError> {
+    let not_running = |source| StatusError::NotRunning {
+        socket: socket.into(),
+        source,
+    };
+    let mut stream = UnixStream::connect(socket).map_err(not_running)?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .map_err(not_running)?;
+    let mut reply = Vec::new();
+    stream.read_to_end(&mut reply).map_err(not_running)?;
+    serde_json::from_slice(&reply).map_err(|e| StatusError::BadReply {
+        socket: socket.into(),
+        reason: if reply.is_empty() {
+            "empty reply (only root may ask)".into()
+        } else {
+            e.to_string()
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Status {
+        let mut status = Status {
+            version: "0.1.0".into(),
+            dirty_mode: "ebpf".into(),
+            checksum: "xxh64".into(),
+            domain: "uid".into(),
+            last_pass: Some(LastPass {
+                number: 3,
+                seconds: 0.25,
+                ..LastPass::default()
+            }),
+            targets: vec![
+                TargetStatus {
+                    pid: 10,
+                    comm: "py\"thon".into(),
+                    pages_sharing: 7,
+                    pages_hashed: 100,
+                    ..TargetStatus::default()
+                },
+                TargetStatus {
+                    pid: 11,
+                    comm: "node".into(),
+                    pages_sharing: 5,
+                    ..TargetStatus::default()
+                },
+            ],
+            ..Status::default()
+        };
+        status.counters.full_scans = 3;
+        status.counters.targets_refused.insert("traced".into(), 2);
+        status
+    }
+
+    #[test]
+    fn metrics_have_the_design_names_per_process_labels_and_types() {
+        let text = render_metrics(&sample());
+        for line in [
+            "# TYPE rksm_full_scans counter",
+            "rksm_full_scans 3",
+            "# TYPE rksm_pages_sharing gauge",
+            "rksm_pages_sharing{pid=\"10\",comm=\"py\\\"thon\"} 7",
+            "rksm_pages_sharing{pid=\"11\",comm=\"node\"} 5",
+            "rksm_pages_shared{pid=\"11\",comm=\"node\"} 0",
+            "# TYPE rksm_pages_hashed counter",
+            "rksm_pages_hashed{pid=\"10\",comm=\"py\\\"thon\"} 100",
+            "rksm_targets_refused{reason=\"traced\"} 2",
+            "rksm_pass_seconds 0.25",
+            "rksm_info{version=\"0.1.0\",dirty_mode=\"ebpf\",checksum=\"xxh64\",domain=\"uid\"} 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "no `{line}` in\n{text}");
+        }
+        // Every sample belongs to a family announced just before it.
+        let mut family = "";
+        for l in text.lines() {
+            if let Some(rest) = l.strip_prefix("# TYPE ") {
+                family = rest.split(' ').next().unwrap();
+            } else if !l.starts_with('#') {
+                let name = l.split(['{', ' ']).next().unwrap();
+                assert_eq!(name, family, "{l}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_socket_serves_the_latest_status_and_refuses_to_clobber_other_files() {
+        let dir = std::env::temp_dir().join(format!("rksm-status-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let socket = dir.join("s.sock");
+        let server = StatusServer::start(&socket, None).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&socket).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        server.publish(sample());
+        let got = query(&socket);
+        // Only root gets an answer: as anyone else the reply is empty.
+        // SAFETY: geteuid cannot fail.
+        if unsafe { libc::geteuid() } == 0 {
+            assert_eq!(got.unwrap().counters.full_scans, 3);
+        } else {
+            assert!(got.is_err());
+        }
+        drop(server);
+        assert!(!socket.exists(), "socket left behind");
+        let err = query(&socket).unwrap_err();
+        assert!(
+            err.to_string().contains("is `rksm daemon` running?"),
+            "{err}"
+        );
+
+        std::fs::write(&socket, "not a socket").unwrap();
+        let err = StatusServer::start(&socket, None).err().unwrap();
+        assert!(err.to_string().contains("not a socket"), "{err}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

@@ -1,0 +1,618 @@
+//! rksm as operators run it: the configuration file, `rksm status` over its socket and as
+//! Prometheus metrics, logs, completions and man pages, and the systemd unit's capabilities.
+//!
+//! Every scenario runs the real `rksm` binary on real child processes. One daemon at a time.
+
+use std::{
+    io::{Read, Write},
+    net::TcpStream,
+    path::{Path, PathBuf},
+    process::{Child, Command, Output, Stdio},
+    sync::Mutex,
+    time::Duration,
+};
+
+use rksm_tests::{ksm_pages, require_root, rksm_command, wait_for, Region, TestChild};
+
+static ONE_DAEMON_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_DAEMON_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// A scratch directory for one test, removed at the end.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(test: &str) -> Scratch {
+        let dir = std::env::temp_dir().join(format!("rksm-ops-{}-{test}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        Scratch(dir)
+    }
+
+    fn file(&self, name: &str, text: &str) -> PathBuf {
+        let path = self.0.join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Two children with the same 64 pages.
+fn twins() -> Vec<(TestChild, Region)> {
+    (0..2)
+        .map(|_| {
+            let mut child = TestChild::spawn();
+            let r = child.map(64);
+            child.write(r, 0, 64, 41);
+            (child, r)
+        })
+        .collect()
+}
+
+fn rksm(args: &[&str]) -> Output {
+    rksm_command().args(args).output().unwrap()
+}
+
+fn json_stdout(output: &Output) -> serde_json::Value {
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).expect("one JSON object on stdout")
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// Stops a daemon started in the background with SIGTERM and returns what it printed.
+fn stop(daemon: Child) -> Output {
+    // SAFETY: kill with a valid pid and signal.
+    assert_eq!(unsafe { libc::kill(daemon.id() as i32, libc::SIGTERM) }, 0);
+    daemon.wait_with_output().unwrap()
+}
+
+#[test]
+fn the_configuration_file_sets_the_daemon_and_flags_win_over_it() {
+    require_root();
+    let _turn = one_at_a_time();
+    let dir = Scratch::new("config");
+    let mut child = TestChild::spawn();
+    let r = child.map(8);
+    child.write(r, 0, 8, 3);
+    let pid = child.pid().to_string();
+    let config = dir.file(
+        "rksm.toml",
+        &format!(
+            "pid = [{pid}]\ndirty = \"hash-only\"\npasses = 2\ninterval = 0.1\njson = true\nsocket = \"{}\"\n",
+            dir.path("s.sock").display()
+        ),
+    );
+    let config = config.to_str().unwrap();
+
+    let json = json_stdout(&rksm(&["daemon", "--config", config]));
+    assert_eq!(json["dirty_mode"], "hash-only");
+    assert_eq!(json["full_scans"], 2);
+
+    let json = json_stdout(&rksm(&[
+        "daemon", "--config", config, "--dirty", "pagemap", "--passes", "1",
+    ]));
+    assert_eq!(json["dirty_mode"], "pagemap", "--dirty did not win");
+    assert_eq!(json["full_scans"], 1, "--passes did not win");
+
+    // Targets on the command line replace the file's.
+    let gone = dir.file(
+        "gone.toml",
+        "pid = [4194305]\npasses = 1\njson = true\ndirty = \"hash-only\"\n",
+    );
+    let output = rksm(&["daemon", "--config", gone.to_str().unwrap()]);
+    assert_eq!(output.status.code(), Some(2), "{}", stderr(&output));
+    assert!(stderr(&output).contains("4194305"), "{}", stderr(&output));
+    let json = json_stdout(&rksm(&[
+        "daemon",
+        "--config",
+        gone.to_str().unwrap(),
+        "--pid",
+        &pid,
+    ]));
+    assert_eq!(json["full_scans"], 1);
+    assert!(child.verify(r, 0, 8, 3));
+}
+
+#[test]
+fn a_bad_configuration_file_gets_one_line_naming_it_and_status_2() {
+    require_root();
+    let dir = Scratch::new("badconfig");
+    let missing = dir.path("missing.toml");
+    let unknown = dir.file("unknown.toml", "dirty = \"ebpf\"\nintervall = 2\n");
+    let bad_value = dir.file("value.toml", "# tuning\n\ndomain = \"tenant\"\n");
+    let not_toml = dir.file("garbage.toml", "[[[\n");
+    let bad_type = dir.file("type.toml", "passes = \"many\"\n");
+    for (args, says) in [
+        (
+            vec!["daemon", "--config", missing.to_str().unwrap(), "--all"],
+            format!("{}: no such configuration file", missing.display()),
+        ),
+        (
+            vec!["status", "--config", missing.to_str().unwrap()],
+            format!("{}: no such configuration file", missing.display()),
+        ),
+        (
+            vec!["daemon", "--config", unknown.to_str().unwrap(), "--all"],
+            format!("{}: line 2: unknown field `intervall`", unknown.display()),
+        ),
+        (
+            vec!["run", "--config", bad_value.to_str().unwrap(), "--", "true"],
+            format!(
+                "{}: line 3: unknown merge domain `tenant`",
+                bad_value.display()
+            ),
+        ),
+        (
+            vec!["daemon", "--config", not_toml.to_str().unwrap(), "--all"],
+            format!("{}: line 1: ", not_toml.display()),
+        ),
+        (
+            vec!["daemon", "--config", bad_type.to_str().unwrap(), "--all"],
+            format!("{}: line 1: invalid type", bad_type.display()),
+        ),
+    ] {
+        let output = rksm(&args);
+        let err = stderr(&output);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+        assert!(err.contains(&says), "{args:?}: expected {says:?} in {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
+
+/// Sockets of `pid` that listen on TCP (from /proc/net/tcp{,6}: state 0A).
+fn tcp_listeners_of(pid: u32) -> usize {
+    let mine: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter_map(|l| {
+            let l = l.to_string_lossy().into_owned();
+            Some(l.strip_prefix("socket:[")?.strip_suffix(']')?.to_string())
+        })
+        .collect();
+    ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .filter_map(|f| std::fs::read_to_string(f).ok())
+        .flat_map(|t| t.lines().skip(1).map(str::to_string).collect::<Vec<_>>())
+        .filter(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.get(3) == Some(&"0A") && f.get(9).is_some_and(|i| mine.iter().any(|m| m == i))
+        })
+        .count()
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn http_get(port: u16, path: &str) -> String {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n").unwrap();
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply).unwrap();
+    reply
+}
+
+fn status_json(socket: &Path) -> Option<serde_json::Value> {
+    let output = rksm(&["status", "--json", "--socket", socket.to_str().unwrap()]);
+    output
+        .status
+        .success()
+        .then(|| serde_json::from_slice(&output.stdout).unwrap())
+}
+
+#[test]
+fn status_shows_a_running_daemon_as_text_json_and_metrics() {
+    require_root();
+    let _turn = one_at_a_time();
+    let dir = Scratch::new("status");
+    let socket = dir.path("rksm.sock");
+    let mut kids = twins();
+    let port = free_port();
+    let mut args = vec![
+        "daemon".to_string(),
+        "--interval".into(),
+        "0.3".into(),
+        "--socket".into(),
+        socket.display().to_string(),
+        "--metrics-address".into(),
+        format!("127.0.0.1:{port}"),
+    ];
+    for (child, _) in &kids {
+        args.extend(["--pid".into(), child.pid().to_string()]);
+    }
+    let daemon = rksm_command()
+        .args(&args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    assert!(
+        wait_for(Duration::from_secs(60), || kids
+            .iter()
+            .all(|(c, r)| ksm_pages(c.pid(), *r, 64).len() == 64)),
+        "not merged"
+    );
+    // The status shows what the kernel shows, once a pass has seen it.
+    let mut json = serde_json::Value::Null;
+    assert!(
+        wait_for(Duration::from_secs(10), || {
+            json = status_json(&socket).unwrap_or_default();
+            json["counters"]["pages_sharing"].as_u64() >= Some(64)
+        }),
+        "status never showed the merge: {json}"
+    );
+    assert_eq!(json["daemon_pid"], daemon.id());
+    let pids: Vec<u64> = json["targets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["pid"].as_u64().unwrap())
+        .collect();
+    assert_eq!(pids.len(), 2);
+    for (child, _) in &kids {
+        assert!(pids.contains(&u64::from(child.pid())), "{json}");
+    }
+    // Next to rksm's count, the kernel's own (/proc/PID/ksm_stat).
+    for t in json["targets"].as_array().unwrap() {
+        assert!(t["ksm_merging_pages"].as_u64() >= Some(64), "{t}");
+    }
+    assert!(json["last_pass"]["number"].as_u64() >= Some(1));
+
+    let text = rksm(&["status", "--socket", socket.to_str().unwrap()]);
+    let text = String::from_utf8(text.stdout).unwrap();
+    assert!(text.contains("last pass: #"), "{text}");
+    assert!(text.contains("--dirty ebpf"), "{text}");
+    for (child, _) in &kids {
+        assert!(
+            text.contains(&format!("{:>8} rksm-testchild", child.pid())),
+            "{text}"
+        );
+    }
+
+    let metrics = rksm(&["status", "--metrics", "--socket", socket.to_str().unwrap()]);
+    let metrics = String::from_utf8(metrics.stdout).unwrap();
+    let sharing: u64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("rksm_pages_sharing{"))
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
+        .sum();
+    assert!(sharing >= 64, "{metrics}");
+    for name in ["pages_shared", "pages_hashed"] {
+        for (child, _) in &kids {
+            let series = format!(
+                "rksm_{name}{{pid=\"{}\",comm=\"rksm-testchild\"}} ",
+                child.pid()
+            );
+            assert!(metrics.contains(&series), "no {series} in {metrics}");
+        }
+    }
+    assert!(metrics.contains("\nrksm_full_scans "), "{metrics}");
+    assert!(
+        metrics.contains("# TYPE rksm_ksm_merging_pages gauge"),
+        "{metrics}"
+    );
+
+    // The same families over HTTP, because it was asked for.
+    let http = http_get(port, "/metrics");
+    assert!(http.starts_with("HTTP/1.1 200 OK"), "{http}");
+    assert!(http.contains("# TYPE rksm_full_scans counter"), "{http}");
+    assert!(http.contains("rksm_pages_sharing{pid="), "{http}");
+    assert!(http_get(port, "/").starts_with("HTTP/1.1 404"));
+    assert_eq!(tcp_listeners_of(daemon.id()), 1);
+
+    // Root only: the socket's mode, and a user who asks anyway gets an error line.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&socket).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    let output = Command::new("setpriv")
+        .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
+        .arg(rksm_tests::built_binary("rksm"))
+        .args(["status", "--socket", socket.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    assert_eq!(stderr(&output).lines().count(), 1, "{}", stderr(&output));
+
+    let output = stop(daemon);
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert!(!socket.exists(), "socket left behind");
+    let output = rksm(&["status", "--socket", socket.to_str().unwrap()]);
+    assert_eq!(output.status.code(), Some(1));
+    assert!(stderr(&output).contains("no rksm daemon is answering"));
+    for (child, r) in &mut kids {
+        assert!(child.verify(*r, 0, 64, 41));
+    }
+}
+
+#[test]
+fn metrics_are_not_served_over_tcp_unless_asked_for() {
+    require_root();
+    let _turn = one_at_a_time();
+    let dir = Scratch::new("nometrics");
+    let socket = dir.path("rksm.sock");
+    let child = TestChild::spawn();
+    let daemon = rksm_command()
+        .args(["daemon", "--interval", "0.2", "--socket"])
+        .arg(&socket)
+        .args(["--pid", &child.pid().to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    assert!(
+        wait_for(Duration::from_secs(20), || status_json(&socket)
+            .is_some_and(|j| j["last_pass"].is_object())),
+        "daemon never answered"
+    );
+    assert_eq!(tcp_listeners_of(daemon.id()), 0, "a TCP port is open");
+    assert!(stop(daemon).status.success());
+}
+
+/// The capabilities the packaged systemd unit grants.
+fn unit_capabilities() -> Vec<String> {
+    let unit = Path::new(env!("CARGO_MANIFEST_DIR")).join("../packaging/rksm.service");
+    let unit = std::fs::read_to_string(unit).unwrap();
+    unit.lines()
+        .find_map(|l| l.strip_prefix("CapabilityBoundingSet="))
+        .expect("the unit sets CapabilityBoundingSet")
+        .split_whitespace()
+        .map(str::to_string)
+        .collect()
+}
+
+/// `rksm ARGS` as root with only `caps` (a bounding set, as systemd applies it).
+fn rksm_with_only(caps: &[String], args: &[&str]) -> Command {
+    let bounding: Vec<String> = caps
+        .iter()
+        .map(|c| format!("+{}", c.trim_start_matches("CAP_").to_lowercase()))
+        .collect();
+    let mut command = Command::new("setpriv");
+    command
+        .arg("--inh-caps=-all")
+        .arg(format!("--bounding-set=-all,{}", bounding.join(",")))
+        .arg(rksm_tests::built_binary("rksm"))
+        .args(args);
+    command
+}
+
+#[test]
+fn the_systemd_units_capabilities_are_enough_and_each_is_needed() {
+    require_root();
+    let _turn = one_at_a_time();
+    let caps = unit_capabilities();
+    assert_eq!(caps.len(), 5, "{caps:?}");
+    // A root process and another user's, the same content in both.
+    let mut root = TestChild::spawn();
+    let mut nobody = TestChild::spawn_as_nobody();
+    let nobody_pid = nobody.pid_from_proc();
+    let (ra, rb) = (root.map(64), nobody.map(64));
+    root.write(ra, 0, 64, 52);
+    nobody.write(rb, 0, 64, 52);
+    let (root_pid, nobody_arg) = (root.pid().to_string(), nobody_pid.to_string());
+    let args = [
+        "daemon",
+        "--pid",
+        &root_pid,
+        "--pid",
+        &nobody_arg,
+        "--domain",
+        "none",
+        "--interval",
+        "0.3",
+        "--json",
+    ];
+    let daemon = rksm_with_only(&caps, &args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let merged = wait_for(Duration::from_secs(60), || {
+        ksm_pages(root.pid(), ra, 64).len() == 64 && ksm_pages(nobody_pid, rb, 64).len() == 64
+    });
+    let output = stop(daemon);
+    assert!(
+        merged,
+        "not merged with the unit's capabilities: {}",
+        stderr(&output)
+    );
+    let json = json_stdout(&output);
+    assert_eq!(json["targets_refused"], serde_json::json!({}), "{json}");
+
+    for dropped in &caps {
+        let fewer: Vec<String> = caps.iter().filter(|c| c != &dropped).cloned().collect();
+        let output = rksm_with_only(&fewer, &args).output().unwrap();
+        let err = stderr(&output);
+        assert_eq!(output.status.code(), Some(1), "without {dropped}: {err}");
+        assert!(
+            err.contains(&format!("missing {dropped}")),
+            "without {dropped}: {err}"
+        );
+    }
+    assert!(root.verify(ra, 0, 64, 52) && nobody.verify(rb, 0, 64, 52));
+}
+
+#[test]
+fn logs_follow_the_level_flags_and_come_as_json_lines_with_fields() {
+    require_root();
+    let _turn = one_at_a_time();
+    let dir = Scratch::new("logs");
+    let child = TestChild::spawn();
+    let pid = child.pid().to_string();
+    let socket = dir.path("s.sock");
+    let run = |extra: &[&str], env: Option<&str>, config: Option<&Path>| -> String {
+        let mut command = rksm_command();
+        command.args(["daemon", "--pid", &pid, "--passes", "1", "--socket"]);
+        command.arg(&socket).args(extra);
+        if let Some(config) = config {
+            command.arg("--config").arg(config);
+        }
+        match env {
+            Some(v) => command.env("RUST_LOG", v),
+            None => command.env_remove("RUST_LOG"),
+        };
+        let output = command.output().unwrap();
+        assert!(output.status.success(), "{}", stderr(&output));
+        stderr(&output)
+    };
+    let has = |log: &str, level: &str| {
+        log.lines()
+            .any(|l| l.starts_with(&format!("rksm: {level}: ")))
+    };
+
+    let default = run(&[], None, None);
+    assert!(
+        has(&default, "info") && !has(&default, "debug"),
+        "{default}"
+    );
+    assert!(has(&run(&["--log-level", "debug"], None, None), "debug"));
+    assert!(!has(&run(&["--log-level", "warn"], None, None), "info"));
+    assert!(
+        !has(&run(&[], Some("warn"), None), "info"),
+        "RUST_LOG ignored"
+    );
+    assert!(
+        has(&run(&["--log-level", "info"], Some("warn"), None), "info"),
+        "flag must win"
+    );
+    let quiet = dir.file("quiet.toml", "log_level = \"warn\"\n");
+    assert!(
+        !has(&run(&[], None, Some(&quiet)), "info"),
+        "file's log_level ignored"
+    );
+    assert!(
+        has(&run(&[], Some("info"), Some(&quiet)), "info"),
+        "RUST_LOG must win over the file"
+    );
+
+    let json = run(&["--log-format", "json"], None, None);
+    let lines: Vec<serde_json::Value> = json
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    assert!(!lines.is_empty());
+    for line in &lines {
+        for key in ["time", "level", "target", "message"] {
+            assert!(line[key].is_string(), "{key} missing: {line}");
+        }
+    }
+    let pass = lines
+        .iter()
+        .find(|l| l["pass"] == 1)
+        .unwrap_or_else(|| panic!("no pass line with fields in {json}"));
+    assert_eq!(pass["targets"], 1);
+    assert!(
+        pass["pages_hashed"].is_u64() && pass["seconds"].is_f64(),
+        "{pass}"
+    );
+    let target = lines
+        .iter()
+        .find(|l| l["pid"] == child.pid())
+        .unwrap_or_else(|| panic!("no target line with its pid in {json}"));
+    assert_eq!(target["comm"], "rksm-testchild");
+}
+
+#[test]
+fn ebpf_log_lines_arrive_in_the_structured_log() {
+    require_root();
+    let mut child = TestChild::spawn();
+    let r = child.map(20_000);
+    let pid = child.pid().to_string();
+    // A one-page ring overflows at once, and the eBPF program says so itself.
+    let mut trace = rksm_command()
+        .args(["trace", "--pid", &pid, "--ring-bytes", "4096", "--json"])
+        .args(["--log-format", "json", "--duration", "30"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = std::io::BufReader::new(trace.stderr.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("tracing write faults") {
+        line.clear();
+        assert!(std::io::BufRead::read_line(&mut stderr, &mut line).unwrap() > 0);
+    }
+    child.write(r, 0, 20_000, 9);
+    child.exit();
+    let mut rest = String::new();
+    stderr.read_to_string(&mut rest).unwrap();
+    trace.wait().unwrap();
+    let said = rest
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|l| l["target"] == "rksm::ebpf")
+        .unwrap_or_else(|| panic!("no eBPF line in {rest}"));
+    assert_eq!(said["level"], "warn");
+    assert!(
+        said["message"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("tgid {pid} is now treated as fully written")),
+        "{said}"
+    );
+}
+
+#[test]
+fn completions_and_man_pages_are_generated_from_the_same_flags() {
+    let bash = rksm(&["completions", "bash"]);
+    assert!(bash.status.success());
+    let bash_text = String::from_utf8(bash.stdout).unwrap();
+    assert!(bash_text.contains("complete -F _rksm"), "{bash_text}");
+    assert!(bash_text.contains("--metrics-address"));
+    // bash itself accepts it.
+    let check = Command::new("bash")
+        .args(["-n", "-c", &bash_text])
+        .output()
+        .unwrap();
+    assert!(check.status.success(), "{}", stderr(&check));
+    let zsh = String::from_utf8(rksm(&["completions", "zsh"]).stdout).unwrap();
+    assert!(zsh.starts_with("#compdef rksm"), "{zsh}");
+    let fish = String::from_utf8(rksm(&["completions", "fish"]).stdout).unwrap();
+    assert!(fish.contains("complete -c rksm"), "{fish}");
+    assert!(fish.contains("status"));
+    let bad = rksm(&["completions", "powershell"]);
+    assert_eq!(bad.status.code(), Some(2));
+
+    let man = String::from_utf8(rksm(&["man"]).stdout).unwrap();
+    assert!(man.contains(".TH rksm 1"), "{man}");
+    let dir = Scratch::new("man");
+    let out = rksm(&["man", "--out-dir", dir.0.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    for page in [
+        "rksm.1",
+        "rksm-daemon.1",
+        "rksm-status.1",
+        "rksm-completions.1",
+    ] {
+        let text = std::fs::read_to_string(dir.path(page)).unwrap();
+        assert!(text.contains(".TH "), "{page}");
+    }
+    let daemon = std::fs::read_to_string(dir.path("rksm-daemon.1")).unwrap();
+    assert!(
+        daemon.contains("/etc/rksm/rksm.toml"),
+        "the daemon page names its files"
+    );
+}
