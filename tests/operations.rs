@@ -276,6 +276,13 @@ fn status_shows_a_running_daemon_as_text_json_and_metrics() {
     for (child, _) in &kids {
         assert!(pids.contains(&u64::from(child.pid())), "{json}");
     }
+    // Profit is what merging saved less rksm's own memory, which is not nothing.
+    let saved = json["counters"]["pages_sharing"].as_i64().unwrap() * 4096;
+    let profit = json["general_profit"].as_i64().expect("general_profit");
+    assert!(
+        profit < saved && profit > saved - (1 << 30),
+        "{profit} vs {saved}"
+    );
     // Next to rksm's count, the kernel's own (/proc/PID/ksm_stat).
     for t in json["targets"].as_array().unwrap() {
         assert!(t["ksm_merging_pages"].as_u64() >= Some(64), "{t}");

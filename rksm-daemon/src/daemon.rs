@@ -673,6 +673,7 @@ impl Daemon {
             started_unix: unix_time(self.started),
             last_pass: self.last_pass.clone(),
             counters: self.stats.clone(),
+            general_profit: (self.stats.pages_sharing * PAGE_SIZE) as i64 - own_resident_bytes(),
             targets: self
                 .per_target
                 .values()
@@ -907,6 +908,14 @@ impl Daemon {
         }
         stats
     }
+}
+
+/// rksm's resident memory (/proc/self/statm's second field, in pages).
+fn own_resident_bytes() -> i64 {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse::<i64>().ok())
+        .map_or(0, |pages| pages * PAGE_SIZE as i64)
 }
 
 fn unix_time(t: SystemTime) -> f64 {

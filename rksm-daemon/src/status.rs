@@ -88,6 +88,9 @@ pub struct Status {
     pub last_pass: Option<LastPass>,
     /// The daemon's counters.
     pub counters: DaemonStats,
+    /// What rksm gains the host, in bytes, as ksmd's `general_profit` does for KSM: the memory
+    /// merging saves in the targets (`pages_sharing` pages) minus rksm's own resident memory.
+    pub general_profit: i64,
     /// Every current target.
     pub targets: Vec<TargetStatus>,
 }
@@ -200,6 +203,12 @@ pub fn render_metrics(status: &Status) -> String {
         "gauge",
         "Current targets.",
         &one(status.targets.len() as u64),
+    );
+    family(
+        "general_profit",
+        "gauge",
+        "Bytes merging saves in the targets minus rksm's own resident memory.",
+        &[(String::new(), status.general_profit as f64)],
     );
     family(
         "pages_unshared",

@@ -78,11 +78,12 @@ fn human(s: &Status, now: SystemTime) -> String {
         None => text += "last pass: none yet\n",
     }
     text += &format!(
-        "merged: {} pages sharing {} KSM pages ({:.1} MiB saved); {} marked; {} unshared\n\
+        "merged: {} pages sharing {} KSM pages ({:.1} MiB saved, {:.1} MiB net of rksm's own memory); {} marked; {} unshared\n\
          all passes: {} full scans, hashed {} pages, skipped {} clean, {:.1} ms in checksums; {} write faults ({} lost), {} cow breaks, {} remote syscalls\n",
         c.pages_sharing,
         c.pages_shared,
         mib(c.pages_sharing),
+        s.general_profit as f64 / (1024.0 * 1024.0),
         c.pages_marked,
         c.pages_unshared,
         c.full_scans,
@@ -105,23 +106,20 @@ fn human(s: &Status, now: SystemTime) -> String {
     if let Some(run) = c.ksmd_taken_back {
         text += &format!("ksmd: run set to {run} by someone else; rksm no longer paces it\n");
     }
-    // KERNEL: the process's pages mapped to KSM pages, as /proc/PID/ksm_stat says.
-    text += &format!(
-        "\n{:>8} {:<16} {:>9} {:>9} {:>9} {:>12} {:>12} {:>9} {:>7}  {}\n",
-        "PID",
-        "COMM",
-        "SHARING",
-        "SHARED",
-        "MARKED",
-        "HASHED",
-        "SKIPPED",
-        "FAULTS",
-        "COW",
-        "DOMAIN"
+    // One row format for the header and the targets. KERNEL: the process's pages mapped to
+    // KSM pages, as the kernel's /proc/PID/ksm_stat says.
+    macro_rules! row {
+        ($($field:expr),*) => {
+            format!("{:>8} {:<16} {:>9} {:>9} {:>9} {:>9} {:>12} {:>12} {:>9} {:>7}  {}\n", $($field),*)
+        };
+    }
+    text += "\n";
+    text += &row!(
+        "PID", "COMM", "SHARING", "SHARED", "KERNEL", "MARKED", "HASHED", "SKIPPED", "FAULTS",
+        "COW", "DOMAIN"
     );
     for t in &s.targets {
-        text += &format!(
-            "{:>8} {:<16} {:>9} {:>9} {:>9} {:>9} {:>12} {:>12} {:>9} {:>7}  {}\n",
+        text += &row!(
             t.pid,
             t.comm,
             t.pages_sharing,
