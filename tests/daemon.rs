@@ -16,7 +16,8 @@ use rksm::{
 };
 use rksm_tests::{
     any_vma_mergeable, blocked_syscall, fd_count, ksm_merging_pages, ksm_pages, ksmd_settings,
-    proc_status, require_root, rksm_command, vma_mergeable, wait_for, Region, TestChild, PAGE,
+    proc_status, require_root, rksm_command, twins, vma_mergeable, wait_for, Region, TestChild,
+    PAGE,
 };
 
 static ONE_DAEMON_AT_A_TIME: Mutex<()> = Mutex::new(());
@@ -699,24 +700,12 @@ fn without_ksm_the_daemon_says_so_and_estimate_still_works() {
     assert!(output.status.success());
 }
 
-/// Children holding the same `pages` pages (seed 71) in one region each.
-fn twins(n: usize, pages: u64) -> Vec<(TestChild, Region)> {
-    (0..n)
-        .map(|_| {
-            let mut child = TestChild::spawn();
-            let r = child.map(pages);
-            child.write(r, 0, pages, 71);
-            (child, r)
-        })
-        .collect()
-}
-
 #[test]
 fn an_operator_who_stops_ksmd_mid_run_is_not_overruled() {
     require_root();
     let _turn = one_at_a_time();
     let before = ksmd_settings();
-    let mut kids = twins(2, 32);
+    let mut kids = twins(2, 32, 71);
     let regions: Vec<_> = kids.iter().map(|(c, r)| (c.pid(), *r, 32)).collect();
     let mut daemon = daemon_over(&regions, DirtyMode::Pagemap);
     daemon.pass();
@@ -744,7 +733,7 @@ fn an_operator_who_stops_ksmd_mid_run_is_not_overruled() {
 fn a_target_that_exits_in_the_middle_of_a_pass_is_dropped_and_the_others_merge() {
     require_root();
     let _turn = one_at_a_time();
-    let mut kids = twins(3, 64);
+    let mut kids = twins(3, 64, 71);
     let regions: Vec<_> = kids.iter().map(|(c, r)| (c.pid(), *r, 64)).collect();
     let mut daemon = daemon_over(&regions, DirtyMode::Ebpf);
     daemon.pass();
@@ -777,7 +766,7 @@ fn a_target_that_exits_in_the_middle_of_a_pass_is_dropped_and_the_others_merge()
 fn a_target_that_unmaps_in_the_middle_of_a_pass_has_nothing_marked_there() {
     require_root();
     let _turn = one_at_a_time();
-    let mut kids = twins(3, 64);
+    let mut kids = twins(3, 64, 71);
     let (first, first_region) = (kids[0].0.pid(), kids[0].1);
     let keep = kids[0].0.map(16);
     kids[0].0.write_unique(keep, 0, 16, 900);
@@ -810,7 +799,7 @@ fn a_target_that_unmaps_in_the_middle_of_a_pass_has_nothing_marked_there() {
 fn a_target_that_execs_in_the_middle_of_a_pass_is_not_marked_in_its_new_program() {
     require_root();
     let _turn = one_at_a_time();
-    let mut kids = twins(2, 64);
+    let mut kids = twins(2, 64, 71);
     let (pid, old) = (kids[0].0.pid(), kids[0].1);
     let regions: Vec<_> = kids.iter().map(|(c, r)| (c.pid(), *r, 64)).collect();
     let mut daemon = daemon_over(&regions, DirtyMode::Pagemap);
@@ -852,7 +841,7 @@ fn a_target_that_execs_in_the_middle_of_a_pass_is_not_marked_in_its_new_program(
 fn a_target_that_forks_in_the_middle_of_a_pass_keeps_running_and_its_child_joins() {
     require_root();
     let _turn = one_at_a_time();
-    let mut kids = twins(2, 64);
+    let mut kids = twins(2, 64, 71);
     let parent = kids[0].0.pid();
     let config = DaemonConfig {
         targets: TargetSpec {

@@ -12,7 +12,7 @@ use std::{
     time::Duration,
 };
 
-use rksm_tests::{ksm_pages, require_root, rksm_command, wait_for, Region, TestChild};
+use rksm_tests::{ksm_pages, require_root, rksm_command, twins, wait_for, TestChild};
 
 static ONE_DAEMON_AT_A_TIME: Mutex<()> = Mutex::new(());
 
@@ -47,18 +47,6 @@ impl Drop for Scratch {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
-}
-
-/// Two children with the same 64 pages.
-fn twins() -> Vec<(TestChild, Region)> {
-    (0..2)
-        .map(|_| {
-            let mut child = TestChild::spawn();
-            let r = child.map(64);
-            child.write(r, 0, 64, 41);
-            (child, r)
-        })
-        .collect()
 }
 
 fn rksm(args: &[&str]) -> Output {
@@ -230,7 +218,7 @@ fn status_shows_a_running_daemon_as_text_json_and_metrics() {
     let _turn = one_at_a_time();
     let dir = Scratch::new("status");
     let socket = dir.path("rksm.sock");
-    let mut kids = twins();
+    let mut kids = twins(2, 64, 41);
     let port = free_port();
     let mut args = vec![
         "daemon".to_string(),

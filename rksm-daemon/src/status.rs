@@ -159,7 +159,6 @@ pub fn render_metrics(status: &Status) -> String {
             let _ = writeln!(out, "rksm_{name}{labels} {value}");
         }
     };
-    let one = |v: u64| vec![(String::new(), v as f64)];
     family(
         "info",
         "gauge",
@@ -174,72 +173,72 @@ pub fn render_metrics(status: &Status) -> String {
             1.0,
         )],
     );
-    family(
-        "full_scans",
-        "counter",
-        "Passes completed.",
-        &one(c.full_scans),
-    );
-    family(
-        "pass_seconds",
-        "gauge",
-        "Wall time of the last pass.",
-        &[(
-            String::new(),
-            status.last_pass.as_ref().map_or(0.0, |p| p.seconds),
-        )],
-    );
-    family(
-        "last_pass_timestamp_seconds",
-        "gauge",
-        "When the last pass ended (Unix time).",
-        &[(
-            String::new(),
-            status.last_pass.as_ref().map_or(0.0, |p| p.ended_unix),
-        )],
-    );
-    family(
-        "targets",
-        "gauge",
-        "Current targets.",
-        &one(status.targets.len() as u64),
-    );
-    family(
-        "general_profit",
-        "gauge",
-        "Bytes merging saves in the targets minus rksm's own resident memory.",
-        &[(String::new(), status.general_profit as f64)],
-    );
-    family(
-        "pages_unshared",
-        "gauge",
-        "Marked pages ksmd found unique (ksmd's counter).",
-        &one(c.pages_unshared),
-    );
-    family(
-        "checksum_ns",
-        "counter",
-        "Time spent in checksums.",
-        &one(c.checksum_ns),
-    );
-    family(
-        "tracer_lost",
-        "counter",
-        "Write faults the tracer could not record.",
-        &one(c.tracer_lost),
-    );
-    family(
-        "remote_syscalls",
-        "counter",
-        "System calls made inside targets.",
-        &one(c.remote_syscalls),
-    );
-    family(
-        "regions_backed_off",
-        "gauge",
-        "2 MiB regions not marked because their merged pages keep breaking.",
-        &one(c.regions_backed_off),
-    );
+    let last = status.last_pass.as_ref();
+    let daemon_wide: [(&str, &str, &str, f64); 10] = [
+        (
+            "full_scans",
+            "counter",
+            "Passes completed.",
+            c.full_scans as f64,
+        ),
+        (
+            "pass_seconds",
+            "gauge",
+            "Wall time of the last pass.",
+            last.map_or(0.0, |p| p.seconds),
+        ),
+        (
+            "last_pass_timestamp_seconds",
+            "gauge",
+            "When the last pass ended (Unix time).",
+            last.map_or(0.0, |p| p.ended_unix),
+        ),
+        (
+            "targets",
+            "gauge",
+            "Current targets.",
+            status.targets.len() as f64,
+        ),
+        (
+            "general_profit",
+            "gauge",
+            "Bytes merging saves in the targets minus rksm's own resident memory.",
+            status.general_profit as f64,
+        ),
+        (
+            "pages_unshared",
+            "gauge",
+            "Marked pages ksmd found unique (ksmd's counter).",
+            c.pages_unshared as f64,
+        ),
+        (
+            "checksum_ns",
+            "counter",
+            "Time spent in checksums.",
+            c.checksum_ns as f64,
+        ),
+        (
+            "tracer_lost",
+            "counter",
+            "Write faults the tracer could not record.",
+            c.tracer_lost as f64,
+        ),
+        (
+            "remote_syscalls",
+            "counter",
+            "System calls made inside targets.",
+            c.remote_syscalls as f64,
+        ),
+        (
+            "regions_backed_off",
+            "gauge",
+            "2 MiB regions not marked because their merged pages keep breaking.",
+            c.regions_backed_off as f64,
+        ),
+    ];
+    for (name, kind, help, value) in daemon_wide {
+        family(name, kind, help, &[(String::new(), value)]);
+    }
     let refused: Vec<(String, f64)> = c
         .targets_refused
         .iter()

@@ -235,6 +235,19 @@ impl Drop for TestChild {
     }
 }
 
+/// `n` children, each holding `pages` pages of the same content (`seed`) in one region:
+/// duplicates across processes, the thing rksm exists to merge.
+pub fn twins(n: usize, pages: u64, seed: u64) -> Vec<(TestChild, Region)> {
+    (0..n)
+        .map(|_| {
+            let mut child = TestChild::spawn();
+            let region = child.map(pages);
+            child.write(region, 0, pages, seed);
+            (child, region)
+        })
+        .collect()
+}
+
 /// The `rksm` binary of the same build as this test.
 pub fn rksm_command() -> Command {
     Command::new(built_binary("rksm"))
