@@ -112,7 +112,9 @@ fn write_settings(root: &Path, s: KsmdSettings) -> Result<(), KsmdError> {
     // run last on the way in: ksmd starts with the new pace, not the old one.
     write_number(&root.join("pages_to_scan"), s.pages_to_scan)?;
     write_number(&root.join("sleep_millisecs"), s.sleep_millisecs)?;
-    write_number(&root.join("run"), s.run.min(1))
+    // 2 reads back after an "unmerge everything" as long as ksmd stays stopped: putting it
+    // back means stopped, never running, and rksm never unmerges everything itself.
+    write_number(&root.join("run"), u64::from(s.run == 1))
 }
 
 /// ksmd's settings, owned: set on [`KsmdOwner::take`], restored on drop.
@@ -432,8 +434,18 @@ mod tests {
             },
         )
         .unwrap();
-        assert_eq!(on_disk(&dir).run, 1);
+        assert_eq!(on_disk(&dir).run, 0, "2 is written as stopped");
         drop(owner);
+        fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_ksmd_found_unmerged_is_put_back_stopped() {
+        let dir = fake_sysfs("found2", 2, 100, 20);
+        let owner = KsmdOwner::take(&dir, &state(&dir), pace(10, 1.0, 20)).unwrap();
+        assert_eq!(on_disk(&dir).run, 1);
+        owner.restore().unwrap();
+        assert_eq!(on_disk(&dir).run, 0, "restoring run=2 started ksmd");
         fs::remove_dir_all(dir).unwrap();
     }
 
