@@ -331,6 +331,11 @@ fn status_shows_a_running_daemon_as_text_json_and_metrics() {
         .unwrap();
     assert_eq!(output.status.code(), Some(1));
     assert_eq!(stderr(&output).lines().count(), 1, "{}", stderr(&output));
+    assert!(
+        stderr(&output).contains("only root may ask"),
+        "{}",
+        stderr(&output)
+    );
 
     let output = stop(daemon);
     assert!(output.status.success(), "{}", stderr(&output));

@@ -59,6 +59,9 @@ pub enum StatusError {
         /// What failed.
         source: io::Error,
     },
+    /// The socket is there but only root may use it.
+    #[error("{0}: permission denied; only root may ask the rksm daemon")]
+    NotAllowed(PathBuf),
     /// Something answered, but not with a status.
     #[error("{socket}: not an rksm status: {reason}")]
     BadReply {
@@ -504,7 +507,13 @@ pub fn query(socket: &Path) -> Result<Status, StatusError> {
         socket: socket.into(),
         source,
     };
-    let mut stream = UnixStream::connect(socket).map_err(not_running)?;
+    let mut stream = UnixStream::connect(socket).map_err(|e| {
+        if e.kind() == io::ErrorKind::PermissionDenied {
+            StatusError::NotAllowed(socket.into())
+        } else {
+            not_running(e)
+        }
+    })?;
     stream
         .set_read_timeout(Some(Duration::from_secs(5)))
         .map_err(not_running)?;

@@ -36,6 +36,11 @@ pub struct Profile {
     pub same_value_percent: u64,
     /// Pages shared copy-on-write with a forked child.
     pub fork_mib: u64,
+    /// Volatile pages start identical in every process (otherwise each process's differ),
+    /// so rksm merges some of them and the writers' same-value rewrites then break merged
+    /// pages copy-on-write. Off in the built-in profiles; the torture test turns it on.
+    #[serde(default)]
+    pub volatile_identical: bool,
 }
 
 impl Profile {
@@ -50,6 +55,7 @@ impl Profile {
             volatile_pages_per_sec: 2000,
             same_value_percent: 50,
             fork_mib: 16,
+            volatile_identical: false,
         };
         match name {
             // Small enough that every configuration runs in seconds.
@@ -203,7 +209,12 @@ pub fn serve(profile: &Profile, index: u32, mergeable: bool) -> io::Result<()> {
     seeds.extend((0..dup).map(|p| Some(p as u64)));
     seeds.extend((0..zero).map(|_| None));
     seeds.extend((0..unique).map(|p| Some(me + p as u64)));
-    seeds.extend((0..volatile).map(|p| Some(me + (1 << 24) + p as u64)));
+    let volatile_base = if profile.volatile_identical {
+        1 << 40
+    } else {
+        me + (1 << 24)
+    };
+    seeds.extend((0..volatile).map(|p| Some(volatile_base + p as u64)));
     seeds.extend((0..fork).map(|p| Some(me + (2 << 24) + p as u64)));
     for (page, seed) in seeds.iter().enumerate() {
         memory.fill(page, *seed);
@@ -408,6 +419,7 @@ mod tests {
             volatile_pages_per_sec: 1,
             same_value_percent: 0,
             fork_mib: 5,
+            volatile_identical: false,
         };
         // 256 duplicate pages x 3 extra copies; 1024 zero pages sharing ceil(1024/256) = 4 KSM pages.
         assert_eq!(p.achievable_sharing(256), 256 * 3 + 1020);

@@ -34,10 +34,10 @@ pub struct Cli {
     command: Command,
     /// Log level or filter: error, warn, info, debug, trace, or TARGET=LEVEL directives,
     /// comma-separated [default: RUST_LOG, else the configuration file's, else info].
-    #[arg(long, global = true, value_name = "FILTER", value_parser = parse_log_filter)]
+    #[arg(long, global = true, value_name = "FILTER", value_parser = parse_log_filter, display_order = 900)]
     log_level: Option<String>,
     /// Log lines as text or as JSON objects [default: the configuration file's, else text].
-    #[arg(long, global = true, value_name = "text|json")]
+    #[arg(long, global = true, value_name = "text|json", display_order = 901)]
     log_format: Option<LogFormat>,
 }
 
