@@ -1,14 +1,18 @@
 //! rksm: a userspace KSM that rehashes only the pages an eBPF tracer saw written.
 //!
 //! The library holds one module per mechanism so each can be tested on its own; the `rksm`
-//! binary is a thin command line over it. What exists so far:
+//! binary is a thin command line over it.
 //!
-//! - [`tracefs`]: finds tracefs and checks the tracepoint layout the eBPF program relies on.
-//! - [`tracer`]: loads the eBPF write-fault tracer, tracks processes, drains its records.
-//! - [`targets`]: turns pids into processes pinned by pidfds, or into refusal reasons.
-//! - [`trace`]: the `rksm trace` session: per-process written pages and write faults.
-//!
-//! Scanning, checksums, the dedup index, arming and merging get their own modules as they land.
+//! - Seeing writes: [`tracefs`] (the tracepoint's layout), [`tracer`] (the eBPF program, its
+//!   maps and ring), [`arming`] (userfaultfd write-protect + PAGEMAP_SCAN), [`dirty`] (the
+//!   hash-only, pagemap and ebpf dirty sources), [`trace`] (the `rksm trace` session).
+//! - Reading and comparing: [`targets`] (selection, pidfds, refusals), [`procfs`] (maps,
+//!   pagemap, kpageflags, stat, ksm_stat), [`reader`], [`checksum`], [`index`] (stable and
+//!   unstable trees), [`scan`] (one pass).
+//! - Merging: [`remote`] (ptrace remote system calls), [`merge`] (runs, marking), [`ksmd`]
+//!   (settings owned and restored), [`daemon`] (passes, accounting, backoff, domains).
+//! - Operating: [`config`] (the TOML file), [`status`] (socket, metrics), [`caps`].
+//! - Measuring: [`workload`] and [`bench`] (rksm against ksmd).
 
 pub mod arming;
 pub mod bench;
