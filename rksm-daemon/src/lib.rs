@@ -12,7 +12,7 @@
 //! - Merging: [`remote`] (ptrace remote system calls), [`merge`] (runs, marking), [`ksmd`]
 //!   (settings owned and restored), [`daemon`] (passes, accounting, backoff, domains).
 //! - Operating: [`config`] (the TOML file), [`status`] (socket, metrics), [`caps`].
-//! - Measuring: [`workload`] and [`bench`] (rksm against ksmd).
+//! - Measuring: [`workload`] and [`bench`](mod@bench) (rksm against ksmd).
 
 pub mod arming;
 pub mod bench;

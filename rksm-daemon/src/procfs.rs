@@ -74,7 +74,7 @@ impl Vma {
 
     /// Private, writable, anonymous memory: the heap, the stack, anonymous mmaps (named or
     /// not). That is what KSM can merge and what rksm scans. File-backed and shared mappings
-    /// and the kernel's special areas ([vdso], [vvar], ...) are not.
+    /// and the kernel's special areas (`[vdso]`, `[vvar]`, ...) are not.
     pub fn is_private_anonymous_writable(&self) -> bool {
         let private_writable =
             self.perms[0] == b'r' && self.perms[1] == b'w' && self.perms[3] == b'p';
