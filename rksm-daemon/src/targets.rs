@@ -159,11 +159,6 @@ impl Process {
         Some((exe, start_code, start_stack))
     }
 
-    /// The address-space identity when the process was opened.
-    pub fn image_at_open(&self) -> Option<(u64, u64, u64)> {
-        self.image_at_open
-    }
-
     /// True if the process has executed a new program since it was opened (or has exited):
     /// every address known about it is stale.
     pub fn has_new_image(&self) -> bool {
