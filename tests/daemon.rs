@@ -877,3 +877,48 @@ fn a_target_that_forks_in_the_middle_of_a_pass_keeps_running_and_its_child_joins
         assert!(child.verify(*r, 0, 64, 71));
     }
 }
+
+#[test]
+fn with_ksmd_read_only_the_daemon_says_so_records_nothing_and_estimate_works() {
+    require_root();
+    let _turn = one_at_a_time();
+    let before = ksmd_settings();
+    let state = std::path::Path::new(rksm::ksmd::STATE_PATH);
+    assert!(!state.exists(), "a saved ksmd state is already there");
+    let mut child = TestChild::spawn();
+    let r = child.map(16);
+    child.write(r, 0, 16, 8);
+    // In a mount namespace of its own, /sys/kernel/mm/ksm is read-only, as in a container.
+    let rksm = rksm_tests::built_binary("rksm");
+    let (rksm, pid) = (rksm.display(), child.pid());
+    let script = format!(
+        "mount --bind -o ro /sys/kernel/mm/ksm /sys/kernel/mm/ksm || exit 99
+         {rksm} daemon --pid {pid} --passes 1; echo \"daemon exit $?\" >&2
+         {rksm} estimate --pid {pid} --passes 1 --json"
+    );
+    let output = std::process::Command::new("unshare")
+        .args(["-m", "sh", "-c", &script])
+        .output()
+        .expect("unshare (util-linux)");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("daemon exit 1"), "{stderr}");
+    let errors: Vec<&str> = stderr
+        .lines()
+        .filter(|l| !l.starts_with("rksm: info:") && !l.starts_with("daemon exit"))
+        .collect();
+    assert_eq!(errors.len(), 1, "{stderr}");
+    assert!(errors[0].contains("cannot control ksmd"), "{stderr}");
+    assert!(
+        errors[0].contains("`rksm estimate` still works"),
+        "{stderr}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_slice(&output.stdout).expect("estimate's JSON on stdout");
+    assert!(json["total"].is_object(), "{json}");
+    assert!(
+        !state.exists(),
+        "a ksmd state was recorded although nothing changed"
+    );
+    assert_eq!(ksmd_settings(), before);
+    assert!(child.verify(r, 0, 16, 8));
+}

@@ -37,6 +37,14 @@ pub enum KsmdError {
     /// A file held something that is not a number.
     #[error("{0}: not a number")]
     Malformed(PathBuf),
+    /// ksmd's files exist but cannot be written (a read-only /sys, a container).
+    #[error("cannot control ksmd: {path}: {source}; rksm must write /sys/kernel/mm/ksm to merge, but `rksm estimate` still works")]
+    NotWritable {
+        /// The file.
+        path: PathBuf,
+        /// What failed.
+        source: io::Error,
+    },
     /// Someone else changed `run` while rksm owned ksmd.
     #[error("ksmd's run was set to {0} by someone else while rksm owned it; rksm stops pacing ksmd and will not start it again")]
     TakenBack(u64),
@@ -135,6 +143,15 @@ impl KsmdOwner {
     /// ones to put back, not the ones it left in force.
     pub fn take(root: &Path, state: &Path, wanted: KsmdSettings) -> Result<Self, KsmdError> {
         let in_force = read_settings(root)?;
+        // Find out whether ksmd can be controlled at all before recording anything: writing
+        // the sleep it already has changes nothing (unlike `run`, where 2 would unmerge again).
+        let probe = root.join("sleep_millisecs");
+        fs::write(&probe, in_force.sleep_millisecs.to_string()).map_err(|source| {
+            KsmdError::NotWritable {
+                path: probe,
+                source,
+            }
+        })?;
         let saved = match read_state(state) {
             Some(left) => {
                 log::warn!(
@@ -476,6 +493,25 @@ mod tests {
         );
         assert!(!state(&dir).exists());
         fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn unwritable_ksmd_is_refused_before_anything_is_recorded() {
+        let dir = fake_sysfs("readonly", 0, 100, 20);
+        // A number that even root cannot write (a sysctl with no write handler, mode 0444).
+        fs::remove_file(dir.join("sleep_millisecs")).unwrap();
+        std::os::unix::fs::symlink("/proc/sys/kernel/ngroups_max", dir.join("sleep_millisecs"))
+            .unwrap();
+        let err = KsmdOwner::take(&dir, &state(&dir), pace(10, 1.0, 20)).unwrap_err();
+        assert!(matches!(err, KsmdError::NotWritable { .. }), "{err}");
+        assert!(err.to_string().contains("cannot control ksmd"), "{err}");
+        assert!(!state(&dir).exists(), "a record was left for nothing");
+        assert_eq!(on_disk_run(&dir), 0);
+        fs::remove_dir_all(dir).unwrap();
+    }
+
+    fn on_disk_run(dir: &Path) -> u64 {
+        read_number(&dir.join("run")).unwrap()
     }
 
     #[test]
