@@ -915,8 +915,9 @@ fn with_ksmd_read_only_the_daemon_says_so_records_nothing_and_estimate_works() {
     let json: serde_json::Value =
         serde_json::from_slice(&output.stdout).expect("estimate's JSON on stdout");
     assert!(json["total"].is_object(), "{json}");
-    assert!(
-        !state.exists(),
+    assert_eq!(
+        std::fs::read_to_string(state).ok(),
+        state_before,
         "a ksmd state was recorded although nothing changed"
     );
     assert_eq!(ksmd_settings(), before);
