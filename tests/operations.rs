@@ -310,6 +310,7 @@ fn status_shows_a_running_daemon_as_text_json_and_metrics() {
         metrics.contains("# TYPE rksm_ksm_merging_pages gauge"),
         "{metrics}"
     );
+    assert!(metrics.contains("\nrksm_general_profit "), "{metrics}");
 
     // The same families over HTTP, because it was asked for.
     let http = http_get(port, "/metrics");
