@@ -1,7 +1,7 @@
 //! Logs: one line per event on stderr, as text for people and journald, or as JSON lines for
 //! log pipelines. Key-value pairs attached to a record (`log::info!(pid = 5; "...")`) become
-//! fields of the JSON object (the text line is the message alone, which already says them). The eBPF program's aya-log lines arrive through the same logger, with target
-//! `rksm_ebpf`.
+//! fields of the JSON object (the text line is the message alone, which already says them).
+//! The eBPF program's aya-log lines arrive through the same logger, with target `rksm::ebpf`.
 
 use std::io::Write;
 
