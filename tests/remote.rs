@@ -1,38 +1,17 @@
 //! Remote system calls against real processes: they run, and the target is left as it was.
 
-use std::{
-    fs,
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use rksm::{
     reader::ProcMem,
     remote::{nr, RemoteError, RemoteRefusal, RemoteSession},
     targets::Process,
 };
-use rksm_tests::{blocked_syscall, fd_count, proc_status, require_root, wait_for, TestChild, PAGE};
+use rksm_tests::{
+    blocked_syscall, fd_count, proc_status, require_root, vma_mergeable, wait_for, TestChild, PAGE,
+};
 
 const MADV_MERGEABLE: u64 = 12;
-
-/// Whether the VMA starting at `start` has VM_MERGEABLE (`mg` in smaps' VmFlags).
-fn is_mergeable(pid: u32, start: u64) -> bool {
-    let smaps = fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
-    let header = format!("{start:x}-");
-    let mut in_vma = false;
-    for line in smaps.lines() {
-        if line.contains(" ")
-            && line
-                .split_whitespace()
-                .next()
-                .is_some_and(|r| r.contains('-') && r.len() > 8)
-        {
-            in_vma = line.starts_with(&header);
-        } else if in_vma && line.starts_with("VmFlags:") {
-            return line.split_whitespace().any(|f| f == "mg");
-        }
-    }
-    false
-}
 
 /// Waits until the child is asleep again (blocked in its read of stdin).
 fn asleep(pid: u32) -> bool {
@@ -50,7 +29,7 @@ fn a_remote_madvise_runs_and_the_target_is_left_exactly_as_it_was() {
     let pid = child.pid();
     assert!(asleep(pid));
     let (syscall_before, fds_before) = (blocked_syscall(pid), fd_count(pid));
-    assert!(!is_mergeable(pid, region.base));
+    assert!(!vma_mergeable(pid, region.base));
 
     let mut session = RemoteSession::begin(&Process::open(pid).unwrap()).unwrap();
     assert_eq!(
@@ -75,7 +54,7 @@ fn a_remote_madvise_runs_and_the_target_is_left_exactly_as_it_was() {
     assert_eq!(session.finish().unwrap(), 3);
 
     assert!(
-        is_mergeable(pid, region.base),
+        vma_mergeable(pid, region.base),
         "madvise did not take effect"
     );
     assert_eq!(proc_status(pid, "TracerPid:"), "0");

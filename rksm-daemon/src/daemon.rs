@@ -28,10 +28,10 @@ use crate::{
     dirty::{DirtySource, EbpfSource, HashOnly, PagemapSource, TracerHub},
     ksmd::{self, KsmdError, KsmdOwner},
     merge::{Marker, MergePolicy, Run},
-    procfs::{KsmStat, ProcfsError},
+    procfs::ProcfsError,
     remote::{self, RemoteError, RemoteRefusal},
     scan::{PassReport, ScanConfig, Scanner},
-    status::{LastPass, Status, TargetStatus},
+    status::{unix_time, LastPass, Status, TargetStatus},
     targets::{Process, SelectionError, TargetSpec},
     tracer::{Tracer, TracerConfig, TracerError},
 };
@@ -662,7 +662,9 @@ impl Daemon {
         summary
     }
 
-    /// What `rksm status` shows: modes, counters, the last pass and every target.
+    /// What `rksm status` shows: modes, counters, the last pass and every target. The
+    /// kernel's own readings are left out: [`Status::read_live`] adds them when someone asks,
+    /// so a pass does not pay for a file read per target that nobody may look at.
     pub fn status(&self) -> Status {
         Status {
             version: env!("CARGO_PKG_VERSION").into(),
@@ -673,19 +675,8 @@ impl Daemon {
             started_unix: unix_time(self.started),
             last_pass: self.last_pass.clone(),
             counters: self.stats.clone(),
-            general_profit: (self.stats.pages_sharing * PAGE_SIZE) as i64 - own_resident_bytes(),
-            targets: self
-                .per_target
-                .values()
-                .map(|t| {
-                    let kernel = KsmStat::read(t.pid);
-                    TargetStatus {
-                        ksm_merging_pages: kernel.map(|k| k.merging_pages),
-                        ksm_process_profit: kernel.map(|k| k.process_profit),
-                        ..t.clone()
-                    }
-                })
-                .collect(),
+            general_profit: 0,
+            targets: self.per_target.values().cloned().collect(),
         }
     }
 
@@ -908,19 +899,6 @@ impl Daemon {
         }
         stats
     }
-}
-
-/// rksm's resident memory (/proc/self/statm's second field, in pages).
-fn own_resident_bytes() -> i64 {
-    std::fs::read_to_string("/proc/self/statm")
-        .ok()
-        .and_then(|s| s.split_whitespace().nth(1)?.parse::<i64>().ok())
-        .map_or(0, |pages| pages * PAGE_SIZE as i64)
-}
-
-fn unix_time(t: SystemTime) -> f64 {
-    t.duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// Pages in MiB.

@@ -29,13 +29,15 @@ use std::{
         Arc, Mutex,
     },
     thread::JoinHandle,
-    time::Duration,
+    time::{Duration, SystemTime},
 };
 
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use serde::{Deserialize, Serialize};
 
-use crate::daemon::DaemonStats;
+use rksm_common::PAGE_SIZE;
+
+use crate::{daemon::DaemonStats, procfs::KsmStat};
 
 /// Where `rksm status` finds the daemon unless told otherwise.
 pub const DEFAULT_SOCKET: &str = "/run/rksm/rksm.sock";
@@ -92,10 +94,40 @@ pub struct Status {
     /// The daemon's counters.
     pub counters: DaemonStats,
     /// What rksm gains the host, in bytes, as ksmd's `general_profit` does for KSM: the memory
-    /// merging saves in the targets (`pages_sharing` pages) minus rksm's own resident memory.
+    /// merging saves in the targets (`pages_sharing` pages) minus rksm's own resident memory
+    /// (filled in by [`Status::read_live`]).
     pub general_profit: i64,
     /// Every current target.
     pub targets: Vec<TargetStatus>,
+}
+
+impl Status {
+    /// Adds what is read from the kernel at the moment of asking: each target's
+    /// /proc/PID/ksm_stat and rksm's own resident memory (for `general_profit`).
+    pub fn read_live(mut self) -> Status {
+        for t in &mut self.targets {
+            let kernel = KsmStat::read(t.pid);
+            t.ksm_merging_pages = kernel.map(|k| k.merging_pages);
+            t.ksm_process_profit = kernel.map(|k| k.process_profit);
+        }
+        self.general_profit =
+            (self.counters.pages_sharing * PAGE_SIZE) as i64 - own_resident_bytes();
+        self
+    }
+}
+
+/// rksm's resident memory (/proc/self/statm's second field, in pages).
+fn own_resident_bytes() -> i64 {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1)?.parse::<i64>().ok())
+        .map_or(0, |pages| pages * PAGE_SIZE as i64)
+}
+
+/// Seconds since the Unix epoch, as the status reports times.
+pub fn unix_time(t: SystemTime) -> f64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// The last pass.
@@ -145,7 +177,7 @@ pub struct TargetStatus {
     /// Writes to merged pages the tracer saw.
     pub cow_breaks: u64,
     /// The kernel's own count of the process's pages mapped to KSM pages
-    /// (/proc/PID/ksm_stat), when it has one.
+    /// (/proc/PID/ksm_stat), when it has one (filled in by [`Status::read_live`]).
     pub ksm_merging_pages: Option<u64>,
     /// The kernel's `ksm_process_profit` for the process, in bytes.
     pub ksm_process_profit: Option<i64>,
@@ -434,7 +466,13 @@ fn serve(
     latest: &Mutex<Status>,
     stop: &AtomicBool,
 ) {
-    let snapshot = || latest.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let snapshot = || {
+        latest
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .read_live()
+    };
     while !stop.load(Ordering::Relaxed) {
         let mut fds = vec![PollFd::new(unix.as_fd(), PollFlags::POLLIN)];
         if let Some(http) = http {

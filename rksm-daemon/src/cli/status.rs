@@ -6,7 +6,7 @@ use clap::Args;
 use rksm::{
     config::ConfigFile,
     daemon::mib,
-    status::{query, render_metrics, Status, DEFAULT_SOCKET},
+    status::{query, render_metrics, unix_time, Status, DEFAULT_SOCKET},
 };
 
 /// Show what the running daemon is doing: its modes, counters, last pass and targets.
@@ -50,9 +50,7 @@ pub fn run(args: StatusArgs, file: &ConfigFile) -> anyhow::Result<()> {
 }
 
 fn human(s: &Status, now: SystemTime) -> String {
-    let now = now
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64());
+    let now = unix_time(now);
     let c = &s.counters;
     let mut text = format!(
         "rksm {} (pid {}), up {:.0} s: --dirty {} --checksum {} --domain {}\n",
