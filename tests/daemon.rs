@@ -5,28 +5,19 @@
 
 use std::{
     process::Stdio,
-    sync::Mutex,
     time::{Duration, Instant},
 };
 
 use rksm::{
-    checksum::ChecksumKind,
     daemon::{Daemon, DaemonConfig, DaemonStats, DirtyMode, DomainPolicy},
-    targets::TargetSpec,
+    engine::checksum::ChecksumKind,
+    engine::targets::TargetSpec,
 };
 use rksm_tests::{
-    any_vma_mergeable, blocked_syscall, fd_count, ksm_merging_pages, ksm_pages, ksmd_settings,
-    proc_status, require_root, rksm_command, twins, vma_mergeable, wait_for, Region, TestChild,
-    PAGE,
+    any_vma_mergeable, blocked_syscall, fd_count, ksm_merging_pages, ksm_pages, ksm_turn,
+    ksmd_settings, proc_status, require_root, rksm_command, twins, vma_mergeable, wait_for, Region,
+    TestChild, PAGE,
 };
-
-static ONE_DAEMON_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    ONE_DAEMON_AT_A_TIME
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
 
 /// A daemon over exactly these regions, in `mode`.
 fn daemon_over(regions: &[(u32, Region, u64)], mode: DirtyMode) -> Daemon {
@@ -53,7 +44,7 @@ fn daemon_with_domains(
         ..DaemonConfig::default()
     };
     let daemon = Daemon::start(config).expect("daemon starts");
-    assert_eq!(daemon.dirty_mode(), mode.name());
+    assert_eq!(daemon.dirty_mode(), mode.to_string());
     daemon
 }
 
@@ -174,7 +165,7 @@ fn merge_scenario(mode: DirtyMode) -> (DaemonStats, Vec<Vec<u64>>) {
 #[test]
 fn every_dirty_mode_merges_the_same_pages_and_leaves_memory_intact() {
     require_root();
-    let _turn = one_at_a_time();
+    let _turn = ksm_turn();
     let mut sets = Vec::new();
     for mode in [DirtyMode::HashOnly, DirtyMode::Pagemap, DirtyMode::Ebpf] {
         let (stats, merged) = merge_scenario(mode);
@@ -199,7 +190,7 @@ fn every_dirty_mode_merges_the_same_pages_and_leaves_memory_intact() {
 #[test]
 fn ebpf_mode_hashes_a_small_fraction_of_what_hash_only_does_on_static_memory() {
     require_root();
-    let _turn = one_at_a_time();
+    let _turn = ksm_turn();
     let mut hashed = Vec::new();
     for mode in [DirtyMode::HashOnly, DirtyMode::Ebpf] {
         let workers = workers(2);
@@ -229,7 +220,7 @@ fn ebpf_mode_hashes_a_small_fraction_of_what_hash_only_does_on_static_memory() {
 #[test]
 fn traced_and_seccomp_targets_are_refused_and_left_alone() {
     require_root();
-    let _turn = one_at_a_time();
+    let _turn = ksm_turn();
     let mut ok = TestChild::spawn();
     let mut filtered = TestChild::spawn();
     filtered.seccomp();
@@ -284,7 +275,7 @@ fn traced_and_seccomp_targets_are_refused_and_left_alone() {
 #[test]
 fn multithreaded_and_sleeping_targets_are_merged_and_keep_running() {
     require_root();
-    let _turn = one_at_a_time();
+    let _turn = ksm_turn();
     let mut threaded = TestChild::spawn();
     threaded.threads(4);
     let mut sleeper = TestChild::spawn();
@@ -315,7 +306,7 @@ fn multithreaded_and_sleeping_targets_are_merged_and_keep_running() {
 #[test]
 fn sigterm_restores_ksmd_and_prints_the_counters() {
     require_root();
-    let _turn = one_at_a_time();
+    let _turn = ksm_turn();
     let before = ksmd_settings();
     let mut child = TestChild::spawn();
     let r = child.map(32);
@@ -371,7 +362,7 @@ fn sigterm_restores_ksmd_and_prints_the_counters() {
 #[test]
 fn run_manages_a_command_and_its_children_and_exits_with_its_status() {
     require_root();
-    let _turn = one_at_a_time();
+    let _turn = ksm_turn();
     let before = ksmd_settings();
     let status = rksm_command()
         .args(["run", "--interval", "0.2", "--", "sh", "-c", "exit 7"])
@@ -431,7 +422,7 @@ fn run_manages_a_command_and_its_children_and_exits_with_its_status() {
 
 #[test]
 fn bad_daemon_input_gets_one_line_and_status_2() {
-    let _turn = one_at_a_time();
+    let _turn = ksm_turn();
     for args in [
         &["daemon", "--pid", "1", "--dirty", "soft-dirty"][..],
         &["daemon", "--pid", "4194305", "--passes", "1"],
@@ -450,7 +441,7 @@ fn bad_daemon_input_gets_one_line_and_status_2() {
 #[test]
 fn copy_on_write_breaks_are_counted_and_their_region_backs_off() {
     require_root();
-    let _turn = one_at_a_time();
+    let _turn = ksm_turn();
     let mut child = TestChild::spawn();
     let r = child.map(512);
     child.write(r, 0, 512, 31);
@@ -485,7 +476,7 @@ fn copy_on_write_breaks_are_counted_and_their_region_backs_off() {
 #[test]
 fn memory_the_target_registered_with_its_own_userfaultfd_is_hashed_every_pass() {
     require_root();
-    let _turn = one_at_a_time();
+    let _turn = ksm_turn();
     let mut child = TestChild::spawn();
     let own = child.map(64);
     let plain = child.map(64);
@@ -517,7 +508,7 @@ fn memory_the_target_registered_with_its_own_userfaultfd_is_hashed_every_pass() 
 #[test]
 fn after_sigkill_no_target_is_left_stopped_and_the_next_start_restores_ksmd() {
     require_root();
-    let _turn = one_at_a_time();
+    let _turn = ksm_turn();
     let before = ksmd_settings();
     let mut child = TestChild::spawn();
     let r = child.map(256);
@@ -546,7 +537,7 @@ fn after_sigkill_no_target_is_left_stopped_and_the_next_start_restores_ksmd() {
     rksm.kill().unwrap();
     rksm.wait().unwrap();
     assert!(
-        std::path::Path::new(rksm::ksmd::STATE_PATH).exists(),
+        std::path::Path::new(rksm::kernel::ksmd::STATE_PATH).exists(),
         "no record of ksmd's settings"
     );
     assert!(wait_for(Duration::from_secs(5), || proc_status(
@@ -567,13 +558,13 @@ fn after_sigkill_no_target_is_left_stopped_and_the_next_start_restores_ksmd() {
         before,
         "ksmd's settings from before the killed rksm are not back"
     );
-    assert!(!std::path::Path::new(rksm::ksmd::STATE_PATH).exists());
+    assert!(!std::path::Path::new(rksm::kernel::ksmd::STATE_PATH).exists());
 }
 
 #[test]
 fn identical_pages_of_two_users_are_never_merged_with_each_other_by_default() {
     require_root();
-    let _turn = one_at_a_time();
+    let _turn = ksm_turn();
     for (policy, across) in [(DomainPolicy::Uid, false), (DomainPolicy::None, true)] {
         let mut root = TestChild::spawn();
         let mut nobody = TestChild::spawn_as_nobody();
@@ -626,7 +617,7 @@ fn identical_pages_of_two_users_are_never_merged_with_each_other_by_default() {
 #[test]
 fn a_target_that_executes_a_new_program_is_armed_and_merged_again() {
     require_root();
-    let _turn = one_at_a_time();
+    let _turn = ksm_turn();
     let mut child = TestChild::spawn();
     let pid = child.pid();
     let config = DaemonConfig {
@@ -667,7 +658,7 @@ fn a_target_that_executes_a_new_program_is_armed_and_merged_again() {
 #[test]
 fn without_ksm_the_daemon_says_so_and_estimate_still_works() {
     require_root();
-    let _turn = one_at_a_time();
+    let _turn = ksm_turn();
     let mut child = TestChild::spawn();
     let r = child.map(16);
     child.write(r, 0, 16, 3);
@@ -703,7 +694,7 @@ fn without_ksm_the_daemon_says_so_and_estimate_still_works() {
 #[test]
 fn an_operator_who_stops_ksmd_mid_run_is_not_overruled() {
     require_root();
-    let _turn = one_at_a_time();
+    let _turn = ksm_turn();
     let before = ksmd_settings();
     let mut kids = twins(2, 32, 71);
     let regions: Vec<_> = kids.iter().map(|(c, r)| (c.pid(), *r, 32)).collect();
@@ -732,7 +723,7 @@ fn an_operator_who_stops_ksmd_mid_run_is_not_overruled() {
 #[test]
 fn a_target_that_exits_in_the_middle_of_a_pass_is_dropped_and_the_others_merge() {
     require_root();
-    let _turn = one_at_a_time();
+    let _turn = ksm_turn();
     let mut kids = twins(3, 64, 71);
     let regions: Vec<_> = kids.iter().map(|(c, r)| (c.pid(), *r, 64)).collect();
     let mut daemon = daemon_over(&regions, DirtyMode::Ebpf);
@@ -765,7 +756,7 @@ fn a_target_that_exits_in_the_middle_of_a_pass_is_dropped_and_the_others_merge()
 #[test]
 fn a_target_that_unmaps_in_the_middle_of_a_pass_has_nothing_marked_there() {
     require_root();
-    let _turn = one_at_a_time();
+    let _turn = ksm_turn();
     let mut kids = twins(3, 64, 71);
     let (first, first_region) = (kids[0].0.pid(), kids[0].1);
     let keep = kids[0].0.map(16);
@@ -798,7 +789,7 @@ fn a_target_that_unmaps_in_the_middle_of_a_pass_has_nothing_marked_there() {
 #[test]
 fn a_target_that_execs_in_the_middle_of_a_pass_is_not_marked_in_its_new_program() {
     require_root();
-    let _turn = one_at_a_time();
+    let _turn = ksm_turn();
     let mut kids = twins(2, 64, 71);
     let (pid, old) = (kids[0].0.pid(), kids[0].1);
     let regions: Vec<_> = kids.iter().map(|(c, r)| (c.pid(), *r, 64)).collect();
@@ -840,7 +831,7 @@ fn a_target_that_execs_in_the_middle_of_a_pass_is_not_marked_in_its_new_program(
 #[test]
 fn a_target_that_forks_in_the_middle_of_a_pass_keeps_running_and_its_child_joins() {
     require_root();
-    let _turn = one_at_a_time();
+    let _turn = ksm_turn();
     let mut kids = twins(2, 64, 71);
     let parent = kids[0].0.pid();
     let config = DaemonConfig {
@@ -881,9 +872,9 @@ fn a_target_that_forks_in_the_middle_of_a_pass_keeps_running_and_its_child_joins
 #[test]
 fn with_ksmd_read_only_the_daemon_says_so_records_nothing_and_estimate_works() {
     require_root();
-    let _turn = one_at_a_time();
+    let _turn = ksm_turn();
     let before = ksmd_settings();
-    let state = std::path::Path::new(rksm::ksmd::STATE_PATH);
+    let state = std::path::Path::new(rksm::kernel::ksmd::STATE_PATH);
     let state_before = std::fs::read_to_string(state).ok();
     let mut child = TestChild::spawn();
     let r = child.map(16);
@@ -922,4 +913,43 @@ fn with_ksmd_read_only_the_daemon_says_so_records_nothing_and_estimate_works() {
     );
     assert_eq!(ksmd_settings(), before);
     assert!(child.verify(r, 0, 16, 8));
+}
+
+#[test]
+fn a_target_skipped_for_a_pass_keeps_its_arming_and_checksums() {
+    require_root();
+    let _turn = ksm_turn();
+    let mut child = TestChild::spawn();
+    let r = child.map(256);
+    child.write_unique(r, 0, 256, 4242);
+    let mut daemon = daemon_over(&[(child.pid(), r, 256)], DirtyMode::Ebpf);
+    daemon.pass();
+    daemon.pass();
+    let steady = daemon.pass();
+    assert!(steady.pages_hashed < 16, "not steady yet: {steady}");
+    let arming_syscalls = daemon.stats().remote_syscalls;
+
+    // A debugger attaches for a moment: the target sits one pass out, and writes meanwhile.
+    let tid = nix::unistd::Pid::from_raw(child.pid() as i32);
+    nix::sys::ptrace::seize(tid, nix::sys::ptrace::Options::empty()).unwrap();
+    child.write_unique(r, 10, 3, 99_000);
+    let skipped = daemon.pass();
+    assert_eq!(skipped.targets, 0, "{skipped}");
+    assert_eq!(daemon.stats().targets_refused.get("traced"), Some(&1));
+    nix::sys::ptrace::interrupt(tid).unwrap();
+    nix::sys::wait::waitpid(tid, Some(nix::sys::wait::WaitPidFlag::__WALL)).unwrap();
+    nix::sys::ptrace::detach(tid, None).unwrap();
+
+    // Back: the writes made while it was skipped are seen, and nothing else is rehashed; it
+    // was neither disarmed nor armed again (no remote system call).
+    let back = daemon.pass();
+    assert_eq!(back.targets, 1, "{back}");
+    assert!(
+        (3..16).contains(&back.pages_hashed),
+        "expected the 3 pages written while skipped, not a full rehash: {back}"
+    );
+    assert_eq!(daemon.stats().remote_syscalls, arming_syscalls);
+    let stats = daemon.finish();
+    assert_eq!(stats.targets_refused.len(), 1, "{stats:?}");
+    assert!(child.verify_unique(r, 10, 3, 99_000) && child.verify_unique(r, 13, 243, 4255));
 }

@@ -6,10 +6,11 @@
 use std::process::Command;
 
 use rksm::{
-    checksum::ChecksumKind,
-    dirty::HashOnly,
-    scan::{PageCounts, PassReport, ScanConfig, Scanner},
-    targets::Process,
+    engine::checksum::ChecksumKind,
+    engine::dirty::HashOnly,
+    engine::scan::{PageCounts, PassReport, ScanConfig, Scanner},
+    engine::target::Target,
+    kernel::process::Process,
 };
 use rksm_tests::{require_root, rksm_command, Region, TestChild, PAGE};
 
@@ -30,14 +31,15 @@ fn scanner_over(ranges: &[(u32, Region, u64)], checksum: ChecksumKind) -> Scanne
     .unwrap()
 }
 
-fn open(pids: &[u32]) -> Vec<Process> {
+/// The processes, as targets of a one-domain scan.
+fn open(pids: &[u32]) -> Vec<Target> {
     pids.iter()
-        .map(|&pid| Process::open(pid).unwrap())
+        .map(|&pid| Target::new(Process::open(pid).unwrap()))
         .collect()
 }
 
-fn pass(scanner: &mut Scanner, processes: &[Process]) -> PassReport {
-    scanner.pass(processes, &mut |_| {})
+fn pass(scanner: &mut Scanner, targets: &mut [Target]) -> PassReport {
+    scanner.pass(targets, &mut |_| {})
 }
 
 fn counts_of(report: &PassReport, pid: u32) -> PageCounts {
@@ -82,8 +84,8 @@ fn the_estimate_matches_the_truth_exactly_within_the_childrens_regions() {
         let mut w = two_workers();
         let (pa, pb) = (w.a.pid(), w.b.pid());
         let mut scanner = scanner_over(&[(pa, w.ra, A_PAGES), (pb, w.rb, B_PAGES)], checksum);
-        let processes = open(&[pa, pb]);
-        let first = pass(&mut scanner, &processes);
+        let mut processes = open(&[pa, pb]);
+        let first = pass(&mut scanner, &mut processes);
         // First pass: nothing has a previous checksum, so nothing passes the gate.
         assert_eq!(
             first.total.volatile_pages,
@@ -91,7 +93,7 @@ fn the_estimate_matches_the_truth_exactly_within_the_childrens_regions() {
             "{checksum}: {:?}",
             first.total
         );
-        let report = pass(&mut scanner, &processes);
+        let report = pass(&mut scanner, &mut processes);
         let t = report.total;
         assert_eq!(t.scanned_pages, 340, "{checksum}: {t:?}");
         assert_eq!(
@@ -152,9 +154,9 @@ fn pages_shared_by_fork_are_counted_once_until_copy_on_write_breaks_them() {
         &[(parent.pid(), region, 100), (forked, region, 100)],
         ChecksumKind::Xxh64,
     );
-    let processes = open(&[parent.pid(), forked]);
-    pass(&mut scanner, &processes);
-    let t = pass(&mut scanner, &processes).total;
+    let mut processes = open(&[parent.pid(), forked]);
+    pass(&mut scanner, &mut processes);
+    let t = pass(&mut scanner, &mut processes).total;
     assert_eq!(
         (
             t.scanned_pages,
@@ -169,7 +171,7 @@ fn pages_shared_by_fork_are_counted_once_until_copy_on_write_breaks_them() {
     // The parent rewrites 10 pages with the content they already had: copy-on-write gives it
     // private copies, which are now duplicates of the forked child's pages.
     parent.write_unique(region, 0, 10, 77);
-    let t = pass(&mut scanner, &processes).total;
+    let t = pass(&mut scanner, &mut processes).total;
     assert_eq!(
         (
             t.scanned_pages,
@@ -189,17 +191,17 @@ fn pages_changed_between_passes_are_volatile() {
     let region = child.map(64);
     child.write(region, 0, 64, 3);
     let mut scanner = scanner_over(&[(child.pid(), region, 64)], ChecksumKind::Crc32c);
-    let processes = open(&[child.pid()]);
-    pass(&mut scanner, &processes);
+    let mut processes = open(&[child.pid()]);
+    pass(&mut scanner, &mut processes);
     child.write(region, 0, 10, 4);
-    let t = pass(&mut scanner, &processes).total;
+    let t = pass(&mut scanner, &mut processes).total;
     assert_eq!(
         (t.volatile_pages, t.duplicate_pages, t.unique_pages),
         (10, 53, 1),
         "{t:?}"
     );
     // Unchanged since: the ten now meet in the unstable tree too.
-    let t = pass(&mut scanner, &processes).total;
+    let t = pass(&mut scanner, &mut processes).total;
     assert_eq!(
         (t.volatile_pages, t.duplicate_pages, t.unique_pages),
         (0, 53 + 9, 2),
@@ -216,12 +218,12 @@ fn a_process_that_exits_or_unmaps_between_passes_does_not_disturb_the_others() {
         &[(pa, w.ra, A_PAGES), (pb, w.rb, B_PAGES)],
         ChecksumKind::Xxh64,
     );
-    let processes = open(&[pa, pb]);
-    pass(&mut scanner, &processes);
+    let mut processes = open(&[pa, pb]);
+    pass(&mut scanner, &mut processes);
     w.a.unmap(w.ra);
     let b = std::mem::replace(&mut w.b, TestChild::spawn());
     b.exit();
-    let report = pass(&mut scanner, &processes);
+    let report = pass(&mut scanner, &mut processes);
     assert_eq!(report.exited, [pb]);
     assert_eq!(
         counts_of(&report, pa),

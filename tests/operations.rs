@@ -7,20 +7,14 @@ use std::{
     io::{Read, Write},
     net::TcpStream,
     path::{Path, PathBuf},
-    process::{Child, Command, Output, Stdio},
-    sync::Mutex,
+    process::{Command, Output, Stdio},
     time::Duration,
 };
 
-use rksm_tests::{ksm_pages, require_root, rksm_command, twins, wait_for, TestChild};
-
-static ONE_DAEMON_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    ONE_DAEMON_AT_A_TIME
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
+use rksm_tests::{
+    ksm_pages, ksm_turn, require_root, rksm_command, twins, wait_for, with_hostile_host_config,
+    Running, TestChild,
+};
 
 /// A scratch directory for one test, removed at the end.
 struct Scratch(PathBuf);
@@ -67,16 +61,11 @@ fn stderr(output: &Output) -> String {
 }
 
 /// Stops a daemon started in the background with SIGTERM and returns what it printed.
-fn stop(daemon: Child) -> Output {
-    // SAFETY: kill with a valid pid and signal.
-    assert_eq!(unsafe { libc::kill(daemon.id() as i32, libc::SIGTERM) }, 0);
-    daemon.wait_with_output().unwrap()
-}
 
 #[test]
 fn the_configuration_file_sets_the_daemon_and_flags_win_over_it() {
     require_root();
-    let _turn = one_at_a_time();
+    let _turn = ksm_turn();
     let dir = Scratch::new("config");
     let mut child = TestChild::spawn();
     let r = child.map(8);
@@ -215,7 +204,7 @@ fn status_json(socket: &Path) -> Option<serde_json::Value> {
 #[test]
 fn status_shows_a_running_daemon_as_text_json_and_metrics() {
     require_root();
-    let _turn = one_at_a_time();
+    let _turn = ksm_turn();
     let dir = Scratch::new("status");
     let socket = dir.path("rksm.sock");
     let mut kids = twins(2, 64, 41);
@@ -232,12 +221,12 @@ fn status_shows_a_running_daemon_as_text_json_and_metrics() {
     for (child, _) in &kids {
         args.extend(["--pid".into(), child.pid().to_string()]);
     }
-    let daemon = rksm_command()
-        .args(&args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let daemon = Running::spawn(
+        rksm_command()
+            .args(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    );
     assert!(
         wait_for(Duration::from_secs(60), || kids
             .iter()
@@ -296,7 +285,7 @@ fn status_shows_a_running_daemon_as_text_json_and_metrics() {
         .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
         .sum();
     assert!(sharing >= 64, "{metrics}");
-    for name in ["pages_shared", "pages_hashed"] {
+    for name in ["pages_shared", "pages_hashed_total"] {
         for (child, _) in &kids {
             let series = format!(
                 "rksm_{name}{{pid=\"{}\",comm=\"rksm-testchild\"}} ",
@@ -305,17 +294,23 @@ fn status_shows_a_running_daemon_as_text_json_and_metrics() {
             assert!(metrics.contains(&series), "no {series} in {metrics}");
         }
     }
-    assert!(metrics.contains("\nrksm_full_scans "), "{metrics}");
+    assert!(metrics.contains("\nrksm_full_scans_total "), "{metrics}");
     assert!(
         metrics.contains("# TYPE rksm_ksm_merging_pages gauge"),
         "{metrics}"
     );
-    assert!(metrics.contains("\nrksm_general_profit "), "{metrics}");
+    assert!(
+        metrics.contains("\nrksm_general_profit_bytes "),
+        "{metrics}"
+    );
 
     // The same families over HTTP, because it was asked for.
     let http = http_get(port, "/metrics");
     assert!(http.starts_with("HTTP/1.1 200 OK"), "{http}");
-    assert!(http.contains("# TYPE rksm_full_scans counter"), "{http}");
+    assert!(
+        http.contains("# TYPE rksm_full_scans_total counter"),
+        "{http}"
+    );
     assert!(http.contains("rksm_pages_sharing{pid="), "{http}");
     assert!(http_get(port, "/").starts_with("HTTP/1.1 404"));
     assert_eq!(tcp_listeners_of(daemon.id()), 1);
@@ -338,7 +333,7 @@ fn status_shows_a_running_daemon_as_text_json_and_metrics() {
         stderr(&output)
     );
 
-    let output = stop(daemon);
+    let output = daemon.stop();
     assert!(output.status.success(), "{}", stderr(&output));
     assert!(!socket.exists(), "socket left behind");
     let output = rksm(&["status", "--socket", socket.to_str().unwrap()]);
@@ -352,37 +347,135 @@ fn status_shows_a_running_daemon_as_text_json_and_metrics() {
 #[test]
 fn metrics_are_not_served_over_tcp_unless_asked_for() {
     require_root();
-    let _turn = one_at_a_time();
+    let _turn = ksm_turn();
     let dir = Scratch::new("nometrics");
     let socket = dir.path("rksm.sock");
     let child = TestChild::spawn();
-    let daemon = rksm_command()
-        .args(["daemon", "--interval", "0.2", "--socket"])
-        .arg(&socket)
-        .args(["--pid", &child.pid().to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let daemon = Running::spawn(
+        rksm_command()
+            .args(["daemon", "--interval", "0.2", "--socket"])
+            .arg(&socket)
+            .args(["--pid", &child.pid().to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
+    );
     assert!(
         wait_for(Duration::from_secs(20), || status_json(&socket)
             .is_some_and(|j| j["last_pass"].is_object())),
         "daemon never answered"
     );
     assert_eq!(tcp_listeners_of(daemon.id()), 0, "a TCP port is open");
-    assert!(stop(daemon).status.success());
+    assert!(daemon.stop().status.success());
 }
 
 /// The capabilities the packaged systemd unit grants.
 fn unit_capabilities() -> Vec<String> {
-    let unit = Path::new(env!("CARGO_MANIFEST_DIR")).join("../packaging/rksm.service");
-    let unit = std::fs::read_to_string(unit).unwrap();
-    unit.lines()
+    packaging("rksm.service")
+        .lines()
         .find_map(|l| l.strip_prefix("CapabilityBoundingSet="))
         .expect("the unit sets CapabilityBoundingSet")
         .split_whitespace()
         .map(str::to_string)
         .collect()
+}
+
+/// A file of packaging/.
+fn packaging(file: &str) -> String {
+    std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../packaging")
+            .join(file),
+    )
+    .unwrap()
+}
+
+/// The values of the first `key: [..]` flow list after the line containing `after`.
+fn yaml_list(yaml: &str, after: &str, key: &str) -> Vec<String> {
+    yaml.lines()
+        .skip_while(|l| !l.contains(after))
+        .find_map(|l| l.trim().strip_prefix(&format!("{key}: ")))
+        .unwrap_or_else(|| panic!("no `{key}:` after `{after}`"))
+        .trim_matches(|c| c == '[' || c == ']')
+        .split(',')
+        .map(|v| v.trim().trim_matches('"').to_string())
+        .collect()
+}
+
+/// Every `key: value` of the manifest, as (key, value) pairs.
+fn yaml_values<'a>(yaml: &'a str, key: &'a str) -> impl Iterator<Item = &'a str> + 'a {
+    yaml.lines()
+        .filter_map(move |l| l.trim().trim_start_matches("- ").strip_prefix(key))
+        .filter_map(|rest| rest.strip_prefix(": "))
+        .map(str::trim)
+}
+
+#[test]
+fn the_daemonset_grants_exactly_what_the_unit_grants() {
+    let unit = packaging("rksm.service");
+    let manifest = packaging("rksm-daemonset.yaml");
+    // The same capabilities, and only those.
+    let mut granted: Vec<String> = yaml_list(&manifest, "capabilities:", "add")
+        .into_iter()
+        .map(|c| format!("CAP_{c}"))
+        .collect();
+    let mut unit_caps = unit_capabilities();
+    granted.sort();
+    unit_caps.sort();
+    assert_eq!(granted, unit_caps, "capabilities");
+    assert_eq!(
+        yaml_list(&manifest, "capabilities:", "drop"),
+        ["ALL"],
+        "everything else dropped"
+    );
+    for (key, value) in [
+        ("hostPID", "true"),
+        ("privileged", "false"),
+        ("allowPrivilegeEscalation", "false"),
+        ("readOnlyRootFilesystem", "true"),
+        ("runAsUser", "0"),
+    ] {
+        assert_eq!(
+            yaml_values(&manifest, key).collect::<Vec<_>>(),
+            [value],
+            "{key}"
+        );
+    }
+    // Written: what the unit lets it write (ReadWritePaths, RuntimeDirectory), from the host.
+    let unit_value = |key: &str| {
+        unit.lines()
+            .find_map(|l| l.strip_prefix(&format!("{key}=")))
+            .unwrap_or_else(|| panic!("the unit has no {key}"))
+            .to_string()
+    };
+    let mounts: Vec<&str> = yaml_values(&manifest, "mountPath").collect();
+    let host_paths: Vec<&str> = yaml_values(&manifest, "path").collect();
+    for writable in [
+        unit_value("ReadWritePaths"),
+        format!("/run/{}", unit_value("RuntimeDirectory")),
+    ] {
+        assert!(
+            mounts.contains(&writable.as_str()),
+            "{writable} not mounted"
+        );
+        assert!(
+            host_paths.contains(&writable.as_str()),
+            "{writable} not the host's"
+        );
+    }
+    // And the tracer reads the tracepoint's format from tracefs.
+    assert!(mounts.contains(&"/sys/kernel/tracing"));
+    let read_only = manifest.matches("readOnly: true").count();
+    assert_eq!(
+        read_only, 2,
+        "tracefs and the configuration, and nothing else, read-only"
+    );
+    // It runs the daemon as the unit does.
+    let exec = unit_value("ExecStart");
+    let args = yaml_list(&manifest, "- name: rksm", "args").join(" ");
+    assert!(
+        exec.ends_with(&args),
+        "unit runs `{exec}`, the pod `{args}`"
+    );
 }
 
 /// `rksm ARGS` as root with only `caps` (a bounding set, as systemd applies it).
@@ -403,7 +496,7 @@ fn rksm_with_only(caps: &[String], args: &[&str]) -> Command {
 #[test]
 fn the_systemd_units_capabilities_are_enough_and_each_is_needed() {
     require_root();
-    let _turn = one_at_a_time();
+    let _turn = ksm_turn();
     let caps = unit_capabilities();
     assert_eq!(caps.len(), 5, "{caps:?}");
     // A root process and another user's, the same content in both.
@@ -426,15 +519,15 @@ fn the_systemd_units_capabilities_are_enough_and_each_is_needed() {
         "0.3",
         "--json",
     ];
-    let daemon = rksm_with_only(&caps, &args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let daemon = Running::spawn(
+        rksm_with_only(&caps, &args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    );
     let merged = wait_for(Duration::from_secs(60), || {
         ksm_pages(root.pid(), ra, 64).len() == 64 && ksm_pages(nobody_pid, rb, 64).len() == 64
     });
-    let output = stop(daemon);
+    let output = daemon.stop();
     assert!(
         merged,
         "not merged with the unit's capabilities: {}",
@@ -459,7 +552,7 @@ fn the_systemd_units_capabilities_are_enough_and_each_is_needed() {
 #[test]
 fn logs_follow_the_level_flags_and_come_as_json_lines_with_fields() {
     require_root();
-    let _turn = one_at_a_time();
+    let _turn = ksm_turn();
     let dir = Scratch::new("logs");
     let child = TestChild::spawn();
     let pid = child.pid().to_string();
@@ -615,5 +708,74 @@ fn completions_and_man_pages_are_generated_from_the_same_flags() {
     assert!(
         daemon.contains("/etc/rksm/rksm.toml"),
         "the daemon page names its files"
+    );
+}
+
+#[test]
+fn a_hostile_host_configuration_changes_nothing_for_the_tools() {
+    require_root();
+    let _turn = ksm_turn();
+    let pairs = twins(2, 64, 77);
+    let pids: Vec<String> = pairs.iter().map(|(c, _)| c.pid().to_string()).collect();
+    let scratch = Scratch::new("hostile");
+    let socket = scratch.path("s.sock");
+    let daemon_args = |passes: &'static str| {
+        let mut args = vec!["daemon", "--pid", &pids[0], "--pid", &pids[1]];
+        args.extend([
+            "--interval",
+            "0.3",
+            "--passes",
+            passes,
+            "--json",
+            "--socket",
+        ]);
+        args.push(socket.to_str().unwrap());
+        args
+    };
+    // The hostile file is in force in its namespace: an rksm that reads it (no --no-config)
+    // obeys it, so this test can tell a tool that reads the host's file from one that does
+    // not.
+    let mut reads_it = Command::new(rksm_tests::built_binary("rksm"));
+    reads_it.args(daemon_args("1"));
+    let out = with_hostile_host_config(&reads_it).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        json["dirty_mode"], "hash-only",
+        "the hostile file was not read"
+    );
+    assert!(
+        stderr.lines().all(|l| l.starts_with('{')),
+        "json logs at warn level: {stderr}"
+    );
+
+    // What the tools and the tests run (`--no-config`): the defaults, whatever the host says.
+    let mut tool = rksm_command();
+    tool.args(daemon_args("20"));
+    let daemon = Running::spawn(
+        with_hostile_host_config(&tool)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    );
+    let (child, region) = &pairs[0];
+    assert!(
+        wait_for(Duration::from_secs(20), || !ksm_pages(
+            child.pid(),
+            *region,
+            64
+        )
+        .is_empty()),
+        "nothing merged"
+    );
+    let out = daemon.wait();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["dirty_mode"], "ebpf", "{json}");
+    assert!(json["pages_sharing"].as_u64().unwrap() > 0, "{json}");
+    assert!(
+        stderr.contains("rksm: info: pass 1 (ebpf): 2 targets"),
+        "text logs at info level: {stderr}"
     );
 }

@@ -3,9 +3,9 @@
 use std::time::{Duration, Instant};
 
 use rksm::{
-    reader::ProcMem,
-    remote::{nr, RemoteError, RemoteRefusal, RemoteSession},
-    targets::Process,
+    kernel::process::Process,
+    kernel::reader::ProcMem,
+    kernel::remote::{nr, RemoteError, RemoteRefusal, RemoteSession},
 };
 use rksm_tests::{
     blocked_syscall, fd_count, proc_status, require_root, vma_mergeable, wait_for, TestChild, PAGE,
@@ -185,6 +185,18 @@ fn a_target_killed_while_borrowed_is_reported_gone_without_hanging() {
     assert!(asleep(pid));
     let mut session = RemoteSession::begin(&Process::open(pid).unwrap()).unwrap();
     assert_eq!(session.syscall(nr::GETPID, &[]).unwrap(), i64::from(pid));
+    // The kill lands in the middle of a borrow: this test's thread traces the target, and
+    // the target sits in a tracing stop, as the kernel itself says.
+    assert_eq!(
+        proc_status(pid, "TracerPid:"),
+        nix::unistd::gettid().to_string(),
+        "not borrowed by this thread"
+    );
+    assert!(
+        proc_status(pid, "State:").starts_with("t (tracing stop)"),
+        "not held in a tracing stop: {}",
+        proc_status(pid, "State:")
+    );
     // SAFETY: kill with a valid pid and signal.
     assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGKILL) }, 0);
     match session.syscall(nr::GETPID, &[]) {

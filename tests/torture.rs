@@ -9,8 +9,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-use rksm::workload::WorkloadProcess;
-use rksm_tests::{require_root, rksm_command};
+use rksm::tools::workload::WorkloadProcess;
+use rksm_tests::{ksm_turn, require_root, rksm_command};
 
 /// A profile with writers at `rate` pages per second, half of them rewriting the same value
 /// (copy-on-write breaks of merged pages: the volatile pages start identical in every
@@ -30,6 +30,7 @@ fn profile(rate: u64) -> std::path::PathBuf {
 #[test]
 fn memory_stays_exact_under_random_writers_in_every_mode() {
     require_root();
+    let _turn = ksm_turn();
     let seconds: f64 = std::env::var("RKSM_TORTURE_SECS")
         .ok()
         .and_then(|s| s.parse().ok())

@@ -1,17 +1,20 @@
 //! The write-fault tracer against real child processes and the real kernel.
 
 use std::{
+    cell::RefCell,
     collections::BTreeSet,
     io::{BufRead, BufReader},
     process::Stdio,
+    rc::Rc,
 };
 
 use rksm::{
-    dirty::{DirtySet, DirtySource, EbpfSource, TracerHub},
-    procfs,
-    targets::Process,
-    trace::TraceSession,
-    tracer::{Tracer, TracerConfig, WriteLog},
+    ebpf::recorder::Recorder,
+    ebpf::tracer::{Tracer, TracerConfig, WriteLog},
+    engine::dirty::{DirtySet, DirtySource, DirtyState, EbpfSource},
+    kernel::process::Process,
+    kernel::procfs,
+    tools::trace::TraceSession,
 };
 use rksm_tests::{require_root, rksm_command, Region, TestChild, PAGE};
 
@@ -291,16 +294,22 @@ fn a_full_tracked_map_refuses_more_and_the_ebpf_source_hashes_those_in_full() {
         ..TracerConfig::default()
     })
     .unwrap();
-    let hub = TracerHub::new(tracer);
-    hub.borrow_mut().track(tracked.pid());
-    hub.borrow_mut().track(extra.pid());
-    assert!(hub.borrow().tracks(tracked.pid()));
+    let recorder = Rc::new(RefCell::new(Recorder::new(tracer)));
+    let (mut tracked_state, mut extra_state) = (DirtyState::default(), DirtyState::default());
+    let mut recorder_mut = recorder.borrow_mut();
+    recorder_mut
+        .track(tracked.pid(), &mut tracked_state.tracer)
+        .unwrap();
     assert!(
-        !hub.borrow().tracks(extra.pid()),
+        recorder_mut
+            .track(extra.pid(), &mut extra_state.tracer)
+            .is_err(),
         "the map holds one process"
     );
+    drop(recorder_mut);
+    assert!(tracked_state.tracer.tracked() && !extra_state.tracer.tracked());
 
-    let mut source = EbpfSource::new(hub.clone());
+    let mut source = EbpfSource::new(recorder.clone());
     let process = Process::open(extra.pid()).unwrap();
     let vmas: Vec<_> = procfs::read_maps(extra.pid())
         .unwrap()
@@ -310,7 +319,9 @@ fn a_full_tracked_map_refuses_more_and_the_ebpf_source_hashes_those_in_full() {
     for pass in 0..3 {
         // Untracked writes would go unseen: nothing of this process may count as clean.
         assert_eq!(
-            source.dirty_pages(&process, &vmas).unwrap(),
+            source
+                .dirty_pages(&process, &mut extra_state, &vmas)
+                .unwrap(),
             DirtySet::All,
             "pass {pass}"
         );

@@ -23,10 +23,11 @@ use nix::{
     unistd::Pid,
 };
 use rksm::{
-    checksum::ChecksumKind,
-    dirty::HashOnly,
-    scan::{ScanConfig, Scanner},
-    targets::Process,
+    engine::checksum::ChecksumKind,
+    engine::dirty::HashOnly,
+    engine::scan::{ScanConfig, Scanner},
+    engine::target::Target as ScanTarget,
+    kernel::process::Process,
 };
 
 /// Counts live heap bytes, to measure what the scanner keeps per page.
@@ -221,7 +222,9 @@ fn main() {
         for kind in [ChecksumKind::Xxh64, ChecksumKind::Crc32c] {
             let (mut cold, mut steady, mut per_page) = (Vec::new(), Vec::new(), Vec::new());
             for _ in 0..reps {
-                let process = vec![Process::open(target.pid as u32).expect("target")];
+                let mut process = vec![ScanTarget::new(
+                    Process::open(target.pid as u32).expect("target"),
+                )];
                 let before = LIVE.load(Ordering::Relaxed);
                 let mut scanner = Scanner::new(
                     ScanConfig {
@@ -231,8 +234,8 @@ fn main() {
                     Box::new(HashOnly),
                 )
                 .expect("scanner");
-                let first = scanner.pass(&process, &mut |_| {});
-                let second = scanner.pass(&process, &mut |_| {});
+                let first = scanner.pass(&mut process, &mut |_| {});
+                let second = scanner.pass(&mut process, &mut |_| {});
                 assert!(
                     second.total.unique_pages >= (bytes / PAGE) as u64,
                     "pages missing: {:?}",

@@ -248,9 +248,119 @@ pub fn twins(n: usize, pages: u64, seed: u64) -> Vec<(TestChild, Region)> {
         .collect()
 }
 
+/// The machine's KSM, held by one test at a time: ksmd's settings, its counters and the
+/// daemon's lock are one per host, so tests that run a daemon or read ksmd's counters take
+/// turns, whatever runs them (`cargo test` runs test binaries one after another; nextest runs
+/// every test in a process of its own, in parallel). A file lock, so it holds across
+/// processes, and the kernel releases it when a test dies; dropping the guard releases it.
+pub struct KsmTurn(#[allow(dead_code)] nix::fcntl::Flock<std::fs::File>);
+
+/// Waits for this test's turn at the machine's KSM (see [`KsmTurn`]).
+pub fn ksm_turn() -> KsmTurn {
+    let path = std::env::temp_dir().join("rksm-tests-ksm.lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .expect("the tests' KSM lock file");
+    // Blocking: the other test's turn ends when it does.
+    KsmTurn(
+        nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusive)
+            .map_err(|(_, e)| e)
+            .expect("locking the tests' KSM lock"),
+    )
+}
+
+/// A host configuration that would change every result if it were read: JSON logs at warn
+/// level (nothing on stderr a tool could scrape), hash-only, a minimum age no test process
+/// has, a selector that matches nothing, another checksum, domains and socket.
+pub const HOSTILE_CONFIG: &str = r#"comm = "^no-such-process$"
+min_age = 86400
+dirty = "hash-only"
+checksum = "crc32c"
+domain = "cgroup"
+interval = 3600
+json = false
+log_level = "warn"
+log_format = "json"
+socket = "/nonexistent/rksm.sock"
+"#;
+
+/// `command` as it would run on a host whose `/etc/rksm/rksm.toml` is [`HOSTILE_CONFIG`]: in
+/// a mount namespace of its own, with a tmpfs over /etc/rksm holding that file, so the host
+/// and the other tests never see it.
+pub fn with_hostile_host_config(command: &Command) -> Command {
+    // The directory must exist to be mounted over; an empty one is left if it was missing.
+    std::fs::create_dir_all("/etc/rksm").expect("creating /etc/rksm");
+    let script = format!(
+        "set -e; mount -t tmpfs rksm-hostile /etc/rksm; cat > /etc/rksm/rksm.toml <<'EOF'\n{HOSTILE_CONFIG}EOF\nexec \"$@\""
+    );
+    let mut wrapped = Command::new("unshare");
+    wrapped
+        .args([
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            &script,
+            "sh",
+        ])
+        .arg(command.get_program())
+        .args(command.get_args());
+    wrapped
+}
+
+/// A spawned rksm (a daemon, a trace), stopped with SIGTERM when dropped, so that it restores
+/// ksmd's settings even when the test that started it fails: one left running would hold the
+/// host's ksmd lock and fail every test after it.
+pub struct Running(Option<Child>);
+
+impl Running {
+    /// Spawns `command`.
+    pub fn spawn(command: &mut Command) -> Running {
+        Running(Some(command.spawn().expect("spawning rksm")))
+    }
+
+    /// Its pid.
+    pub fn id(&self) -> u32 {
+        self.0.as_ref().expect("running").id()
+    }
+
+    /// Stops it with SIGTERM and returns what it printed.
+    pub fn stop(mut self) -> std::process::Output {
+        let child = self.0.take().expect("running");
+        // SAFETY: kill with a valid pid and signal.
+        assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+        child.wait_with_output().expect("waiting for rksm")
+    }
+
+    /// Waits for it to end by itself and returns what it printed.
+    pub fn wait(mut self) -> std::process::Output {
+        let child = self.0.take().expect("running");
+        child.wait_with_output().expect("waiting for rksm")
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            // SAFETY: kill with a valid pid and signal.
+            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+            let _ = child.wait();
+        }
+    }
+}
+
 /// The `rksm` binary of the same build as this test.
+///
+/// It never reads the host's `/etc/rksm/rksm.toml` (`--no-config`): a test's outcome must not
+/// depend on how the machine running it is configured.
 pub fn rksm_command() -> Command {
-    Command::new(built_binary("rksm"))
+    let mut command = Command::new(built_binary("rksm"));
+    command.arg("--no-config");
+    command
 }
 
 /// A binary of this workspace from the same target directory and profile as the running test

@@ -3,7 +3,7 @@
 //! rksm's eBPF program needs a compiler that can target `bpfel-unknown-none` and the
 //! `bpf-linker`. On the machines this project runs on, rustup has no nightly with rust-src,
 //! so the usual aya route is closed; Debian ships a precompiled `core` for the bpf target and
-//! an LLVM 22 to build bpf-linker against (see README, "What set-up installs"). This crate
+//! an LLVM 22 to build bpf-linker against (see docs/operations.md, "What set-up installs"). This crate
 //! knows both routes, prefers what is present, installs what is missing, and says exactly
 //! what it could not find.
 
@@ -13,8 +13,6 @@ use std::{
     fs,
     path::{Path, PathBuf},
     process::{Command, ExitCode, Stdio},
-    thread,
-    time::Duration,
 };
 
 use anyhow::{bail, Context, Result};
@@ -65,11 +63,24 @@ enum Cmd {
     },
     /// Build, check formatting and lints, and run every test (as root).
     Test {
+        /// Leave out the suites that take minutes (bench, torture); CI runs them all.
+        #[arg(long)]
+        quick: bool,
         /// Extra arguments for `cargo test` (a filter, `--nocapture`, ...).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<OsString>,
     },
+    /// Build a stripped, optimised rksm (the `dist` profile) and install it, its man pages,
+    /// its bash completions, and the unit and example configuration to copy into place.
+    Install {
+        /// Where to install: PREFIX/bin, PREFIX/share/man/man1, PREFIX/share/rksm.
+        #[arg(long, default_value = "/usr/local")]
+        prefix: PathBuf,
+    },
 }
+
+/// Test suites that take minutes; `cargo xtask test --quick` leaves them out.
+const SLOW_SUITES: &[&str] = &["bench", "torture"];
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -77,7 +88,8 @@ fn main() -> ExitCode {
         Cmd::Setup => setup().map(|_| ()),
         Cmd::Build => build(),
         Cmd::Run { args } => run(args),
-        Cmd::Test { args } => test(args),
+        Cmd::Test { quick, args } => test(quick, args),
+        Cmd::Install { prefix } => install(&prefix),
         Cmd::Bench { checksums_only } => bench(checksums_only),
     };
     match result {
@@ -335,7 +347,15 @@ fn run(args: Vec<OsString>) -> Result<()> {
     demo(&release)
 }
 
-/// One demo workload: an `rksm-testchild` driven over its stdin.
+/// The demo's workloads: `rksm workload` processes with this profile (the format
+/// `rksm bench --profile FILE` takes), so the demo measures what the bench measures.
+const DEMO_PROFILE: &str = r#"{"processes": 4, "duplicate_mib": 32, "zero_mib": 8,
+  "unique_mib": 16, "volatile_mib": 8, "volatile_pages_per_sec": 4096,
+  "same_value_percent": 0, "fork_mib": 0}"#;
+const DEMO_WORKLOADS: u32 = 4;
+
+/// One `rksm workload` process: it fills its memory, rewrites its volatile pages, and checks
+/// every byte when asked (`verify` → `ok`). Killed when dropped.
 struct Workload {
     child: std::process::Child,
     stdin: std::process::ChildStdin,
@@ -343,14 +363,24 @@ struct Workload {
 }
 
 impl Workload {
-    fn start(release: &Path) -> Result<Workload> {
-        let mut child = Command::new(release.join("rksm-testchild"))
+    fn start(rksm: &Path, profile: &Path, index: u32) -> Result<Workload> {
+        use std::io::BufRead;
+        let mut child = Command::new(rksm)
+            .arg("workload")
+            .arg("--profile")
+            .arg(profile)
+            .args(["--index", &index.to_string()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
             .context("starting a demo workload")?;
         let stdin = child.stdin.take().context("workload stdin")?;
-        let stdout = std::io::BufReader::new(child.stdout.take().context("workload stdout")?);
+        let mut stdout = std::io::BufReader::new(child.stdout.take().context("workload stdout")?);
+        let mut ready = String::new();
+        stdout.read_line(&mut ready)?;
+        if ready.trim() != "ready" {
+            bail!("workload {index} did not start: `{}`", ready.trim());
+        }
         Ok(Workload {
             child,
             stdin,
@@ -358,19 +388,12 @@ impl Workload {
         })
     }
 
-    fn command(&mut self, line: &str) -> Result<String> {
+    fn verify(&mut self) -> Result<String> {
         use std::io::{BufRead, Write};
-        writeln!(self.stdin, "{line}")?;
+        writeln!(self.stdin, "verify")?;
         let mut reply = String::new();
         self.stdout.read_line(&mut reply)?;
-        let reply = reply.trim().to_string();
-        if reply.is_empty() || reply.starts_with("error") {
-            bail!(
-                "workload {} answered `{reply}` to `{line}`",
-                self.child.id()
-            );
-        }
-        Ok(reply)
+        Ok(reply.trim().to_string())
     }
 }
 
@@ -381,100 +404,37 @@ impl Drop for Workload {
     }
 }
 
-// Layout of each demo workload's 64 MiB region, in pages.
-const DEMO_PAGES: u64 = 16384;
-const DEMO_DUPLICATE: (u64, u64) = (0, 8192); // the same content in every workload
-const DEMO_ZERO: (u64, u64) = (8192, 2048); // zero-filled
-const DEMO_UNIQUE: (u64, u64) = (10240, 4096); // different everywhere
-const DEMO_VOLATILE: (u64, u64) = (14336, 2048); // rewritten while rksm runs
-const DEMO_WORKLOADS: u64 = 4;
-
-/// The main job: workloads with known duplicate, zero, unique and volatile memory; the daemon
-/// in ebpf mode merging them while writers keep writing; then every byte checked.
 fn demo(release: &Path) -> Result<()> {
-    use std::sync::{
-        atomic::{AtomicBool, Ordering},
-        Arc, Mutex,
-    };
     eprintln!(
-        "xtask: demo: {DEMO_WORKLOADS} workloads x 64 MiB (32 MiB the same everywhere, 8 MiB zeros, 16 MiB unique, 8 MiB rewritten every half second); rksm daemon --dirty ebpf for 15 s"
+        "xtask: demo: {DEMO_WORKLOADS} workloads x 64 MiB (32 MiB the same everywhere, 8 MiB zeros, 16 MiB unique, 8 MiB rewritten all the time); rksm daemon --dirty ebpf for 15 s"
     );
-    let mut workloads = Vec::new();
-    for i in 0..DEMO_WORKLOADS {
-        let mut w = Workload::start(release)?;
-        w.command(&format!("map {DEMO_PAGES}"))?;
-        w.command(&format!(
-            "write 0 {} {} 1",
-            DEMO_DUPLICATE.0, DEMO_DUPLICATE.1
-        ))?;
-        w.command(&format!("fill 0 {} {} 0", DEMO_ZERO.0, DEMO_ZERO.1))?;
-        w.command(&format!(
-            "unique 0 {} {} {}",
-            DEMO_UNIQUE.0,
-            DEMO_UNIQUE.1,
-            1_000_000 * (i + 1)
-        ))?;
-        w.command(&format!(
-            "unique 0 {} {} {}",
-            DEMO_VOLATILE.0,
-            DEMO_VOLATILE.1,
-            10_000_000 * (i + 1)
-        ))?;
-        workloads.push(w);
-    }
-    let pids: Vec<String> = workloads.iter().map(|w| w.child.id().to_string()).collect();
-    // Writers: every half second each workload rewrites its volatile pages with a new seed;
-    // the last seed is kept to check the contents at the end.
-    let workloads = Arc::new(Mutex::new(workloads));
-    let last_seeds = Arc::new(Mutex::new(
-        (1..=DEMO_WORKLOADS)
-            .map(|i| 10_000_000 * i)
-            .collect::<Vec<u64>>(),
-    ));
-    let stop = Arc::new(AtomicBool::new(false));
-    let writer = {
-        let (workloads, last_seeds, stop) = (workloads.clone(), last_seeds.clone(), stop.clone());
-        thread::spawn(move || -> Result<()> {
-            let mut round = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                round += 1;
-                let mut workloads = workloads.lock().expect("not poisoned");
-                let mut seeds = last_seeds.lock().expect("not poisoned");
-                for (i, w) in workloads.iter_mut().enumerate() {
-                    let seed = 100_000_000 * round + i as u64 * 10_000;
-                    w.command(&format!(
-                        "unique 0 {} {} {seed}",
-                        DEMO_VOLATILE.0, DEMO_VOLATILE.1
-                    ))?;
-                    seeds[i] = seed;
-                }
-                drop((workloads, seeds));
-                thread::sleep(Duration::from_millis(500));
-            }
-            Ok(())
-        })
-    };
-    let mut args = vec![
-        "daemon".to_string(),
-        "--dirty".into(),
-        "ebpf".into(),
-        "--interval".into(),
-        "1".into(),
-    ];
+    let rksm = release.join("rksm");
+    let profile = env::temp_dir().join(format!("rksm-demo-{}.json", std::process::id()));
+    fs::write(&profile, DEMO_PROFILE)?;
+    let workloads: Result<Vec<Workload>> = (0..DEMO_WORKLOADS)
+        .map(|i| Workload::start(&rksm, &profile, i))
+        .collect();
+    let _ = fs::remove_file(&profile);
+    let mut workloads = workloads?;
+    let mut args: Vec<String> = [
+        "--no-config",
+        "daemon",
+        "--dirty",
+        "ebpf",
+        "--interval",
+        "1",
+    ]
+    .map(String::from)
+    .into();
     args.extend(["--duration".into(), "15".into(), "--json".into()]);
-    for pid in &pids {
-        args.extend(["--pid".into(), pid.clone()]);
+    for w in &workloads {
+        args.extend(["--pid".into(), w.child.id().to_string()]);
     }
-    let output = as_root(&release.join("rksm"))
+    let output = as_root(&rksm)
         .args(&args)
         .stderr(Stdio::inherit())
-        .output();
-    stop.store(true, Ordering::Relaxed);
-    let written = writer
-        .join()
-        .map_err(|_| anyhow::anyhow!("the writer thread panicked"))?;
-    let output = output.context("running rksm daemon")?;
-    written?;
+        .output()
+        .context("running rksm daemon")?;
     if !output.status.success() {
         bail!("rksm daemon exited with {}", output.status);
     }
@@ -482,30 +442,10 @@ fn demo(release: &Path) -> Result<()> {
         serde_json::from_slice(&output.stdout).context("rksm's JSON summary")?;
 
     eprintln!("xtask: checking every byte of every workload");
-    let mut workloads = workloads.lock().expect("not poisoned");
-    let seeds = last_seeds.lock().expect("not poisoned");
     let mut intact = true;
     for (i, w) in workloads.iter_mut().enumerate() {
-        let checks = [
-            format!("verify 0 {} {} 1", DEMO_DUPLICATE.0, DEMO_DUPLICATE.1),
-            format!("verifyfill 0 {} {} 0", DEMO_ZERO.0, DEMO_ZERO.1),
-            format!(
-                "verifyunique 0 {} {} {}",
-                DEMO_UNIQUE.0,
-                DEMO_UNIQUE.1,
-                1_000_000 * (i as u64 + 1)
-            ),
-            format!(
-                "verifyunique 0 {} {} {}",
-                DEMO_VOLATILE.0, DEMO_VOLATILE.1, seeds[i]
-            ),
-        ];
-        let mut answers = Vec::new();
-        for check in &checks {
-            answers.push(w.command(check)?);
-        }
-        let ok = answers.iter().all(|a| a == "ok");
-        intact &= ok;
+        let answer = w.verify()?;
+        intact &= answer == "ok";
         let merged = fs::read_to_string(format!("/proc/{}/ksm_merging_pages", w.child.id()))
             .unwrap_or_default();
         eprintln!(
@@ -513,7 +453,7 @@ fn demo(release: &Path) -> Result<()> {
             i + 1,
             w.child.id(),
             merged.trim(),
-            if ok { "intact".to_string() } else { format!("CHANGED: {answers:?}") }
+            if answer == "ok" { "intact".to_string() } else { format!("CHANGED: {answer}") }
         );
     }
     let sharing = stats["pages_sharing"].as_u64().unwrap_or(0);
@@ -533,7 +473,7 @@ fn demo(release: &Path) -> Result<()> {
     Ok(())
 }
 
-fn test(args: Vec<OsString>) -> Result<()> {
+fn test(quick: bool, args: Vec<OsString>) -> Result<()> {
     if !is_root() {
         bail!("the tests load eBPF programs and trace other processes: run `sudo cargo xtask test` (CI runs as root)");
     }
@@ -562,12 +502,78 @@ fn test(args: Vec<OsString>) -> Result<()> {
             .env("RKSM_EBPF_OBJECT", ebpf_object()),
     )
     .context("clippy")?;
-    cargo_test(
+    let mut test = cargo();
+    test.args(["test", "--workspace", "--release"]);
+    if quick {
+        // Every target but the slow suites, named one by one (cargo has no exclusion).
+        test.args(["--lib", "--bins", "--doc"]);
+        for suite in test_suites()? {
+            if !SLOW_SUITES.contains(&suite.as_str()) {
+                test.args(["--test", &suite]);
+            }
+        }
+        eprintln!("xtask: --quick: leaving out {}", SLOW_SUITES.join(", "));
+    }
+    cargo_test(test.args(&args).env("RKSM_EBPF_OBJECT", ebpf_object()))
+}
+
+/// The integration test suites, as tests/Cargo.toml names them.
+fn test_suites() -> Result<Vec<String>> {
+    let manifest = fs::read_to_string(workspace_root().join("tests/Cargo.toml"))?;
+    let mut suites = Vec::new();
+    let mut in_test = false;
+    for line in manifest.lines().map(str::trim) {
+        if line.starts_with('[') {
+            in_test = line == "[[test]]";
+        } else if let Some(name) = line.strip_prefix("name = ").filter(|_| in_test) {
+            suites.push(name.trim_matches('"').to_string());
+        }
+    }
+    if suites.is_empty() {
+        bail!("no [[test]] in tests/Cargo.toml");
+    }
+    Ok(suites)
+}
+
+fn install(prefix: &Path) -> Result<()> {
+    let route = setup()?;
+    build_ebpf(route)?;
+    run_checked(
         cargo()
-            .args(["test", "--workspace", "--release"])
-            .args(&args)
+            .args(["build", "--profile", "dist", "-p", "rksm", "--bin", "rksm"])
             .env("RKSM_EBPF_OBJECT", ebpf_object()),
     )
+    .context("building the dist binary")?;
+    let root = workspace_root();
+    let built = root.join("target/dist/rksm");
+    let bin = prefix.join("bin");
+    let man = prefix.join("share/man/man1");
+    let share = prefix.join("share/rksm");
+    let completions = prefix.join("share/bash-completion/completions");
+    for dir in [&bin, &man, &share, &completions] {
+        fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let rksm = bin.join("rksm");
+    // Copy to a new file and rename it into place: a running rksm keeps its old inode.
+    let staging = bin.join(".rksm.new");
+    fs::copy(&built, &staging).with_context(|| format!("copying to {}", staging.display()))?;
+    fs::rename(&staging, &rksm)?;
+    run_checked(Command::new(&rksm).arg("man").arg("--out-dir").arg(&man))?;
+    let bash = Command::new(&rksm).args(["completions", "bash"]).output()?;
+    fs::write(completions.join("rksm"), bash.stdout)?;
+    for file in ["rksm.service", "rksm.toml", "rksm-daemonset.yaml"] {
+        fs::copy(root.join("packaging").join(file), share.join(file))?;
+    }
+    let size = fs::metadata(&rksm)?.len();
+    println!(
+        "xtask: installed {} ({:.1} MiB, stripped), its man pages in {}, bash completions, and {}/{{rksm.service,rksm.toml,rksm-daemonset.yaml}}",
+        rksm.display(),
+        size as f64 / 1048576.0,
+        man.display(),
+        share.display()
+    );
+    println!("xtask: next, as root: install -D -m 0644 {0}/rksm.toml /etc/rksm/rksm.toml (edit the targets); install -m 0644 {0}/rksm.service /etc/systemd/system/; systemctl daemon-reload; systemctl enable --now rksm", share.display());
+    Ok(())
 }
 
 /// Runs `cargo test`, passing its output through, and ends with one line totalling every

@@ -5,8 +5,9 @@ use std::{io::Write, path::PathBuf};
 use anyhow::Context;
 use clap::Args;
 use rksm::{
-    bench::{self, BenchPlan, RunResult},
-    workload::{self, Profile},
+    service::config::Seconds,
+    tools::bench::{self, BenchPlan, RunResult},
+    tools::workload::{self, Profile},
 };
 
 use super::BadInput;
@@ -31,7 +32,7 @@ pub struct BenchArgs {
     quick: bool,
     /// Seconds per run (default 15 with --quick, else 30); ksmd at its default pace runs until
     /// it reaches 90% of the savings, up to 45 s with --quick, else 180 s.
-    #[arg(long, value_name = "SECS", value_parser = parse_seconds)]
+    #[arg(long, value_name = "SECS", value_parser = |s: &str| Seconds::BENCH.parse(s))]
     seconds: Option<f64>,
     /// Runs per configuration; medians are reported (default 1 with --quick, else 3).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=20))]
@@ -42,15 +43,6 @@ pub struct BenchArgs {
     /// Print `{"runs":[...]}` instead of the table.
     #[arg(long)]
     json: bool,
-}
-
-fn parse_seconds(s: &str) -> Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(v) if v.is_finite() && (2.0..=3600.0).contains(&v) => Ok(v),
-        _ => Err(format!(
-            "`{s}` is not a number of seconds between 2 and 3600"
-        )),
-    }
 }
 
 pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {

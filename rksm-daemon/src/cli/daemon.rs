@@ -3,7 +3,7 @@
 use std::{
     io::{self, Write},
     net::SocketAddr,
-    os::fd::{AsFd, FromRawFd, OwnedFd},
+    os::fd::{AsFd, OwnedFd},
     path::PathBuf,
     process::{Command, ExitStatus},
     time::{Duration, Instant},
@@ -11,19 +11,16 @@ use std::{
 
 use anyhow::Context;
 use clap::Args;
-use nix::sys::{
-    signal::{SigSet, Signal},
-    signalfd::{SfdFlags, SignalFd},
-};
 use rksm::{
-    checksum::ChecksumKind,
-    config::ConfigFile,
     daemon::{mib, Daemon, DaemonConfig, DaemonError, DaemonStats, DirtyMode, DomainPolicy},
-    status::{StatusServer, DEFAULT_SOCKET},
-    targets::TargetSpec,
+    engine::checksum::ChecksumKind,
+    engine::targets::TargetSpec,
+    service::config::ConfigFile,
+    service::config::Seconds,
+    service::status::{Status, StatusServer, DEFAULT_SOCKET},
 };
 
-use super::{targets::TargetArgs, BadInput};
+use super::{targets::TargetArgs, termination_signals, BadInput};
 
 /// Options shared by `daemon` and `run`. Each has a key of the same name in the
 /// configuration file; a flag given here wins over the file.
@@ -45,10 +42,10 @@ pub struct DaemonOptions {
     #[arg(long, value_name = "uid|cgroup|none")]
     domain: Option<DomainPolicy>,
     /// Seconds between passes [default: 5].
-    #[arg(long, value_name = "SECS", value_parser = parse_interval)]
+    #[arg(long, value_name = "SECS", value_parser = |s: &str| Seconds::INTERVAL.parse(s))]
     interval: Option<f64>,
     /// Stop after this many seconds.
-    #[arg(long, value_name = "SECS", value_parser = parse_interval, conflicts_with = "passes")]
+    #[arg(long, value_name = "SECS", value_parser = |s: &str| Seconds::INTERVAL.parse(s), conflicts_with = "passes")]
     duration: Option<f64>,
     /// Stop after this many passes.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
@@ -99,15 +96,6 @@ impl DaemonOptions {
                 .unwrap_or_else(|| DEFAULT_SOCKET.into()),
             metrics_address: self.metrics_address.or(file.metrics_address),
         }
-    }
-}
-
-fn parse_interval(s: &str) -> Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(v) if v.is_finite() && v > 0.0 && v <= 86_400.0 => Ok(v),
-        _ => Err(format!(
-            "`{s}` is not a number of seconds between 0 and 86400"
-        )),
     }
 }
 
@@ -188,22 +176,11 @@ fn exit_like(status: ExitStatus) -> anyhow::Result<()> {
 }
 
 fn pidfd(pid: u32) -> anyhow::Result<OwnedFd> {
-    // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error()).context("pidfd_open");
-    }
-    // SAFETY: the fd was just returned to us.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    rksm::kernel::process::pidfd_open(pid).context("pidfd_open")
 }
 
 fn serve(spec: TargetSpec, options: &Settings, child: Option<u32>) -> anyhow::Result<DaemonStats> {
-    let mut mask = SigSet::empty();
-    mask.add(Signal::SIGINT);
-    mask.add(Signal::SIGTERM);
-    mask.thread_block().context("blocking SIGINT and SIGTERM")?;
-    let signals = SignalFd::with_flags(&mask, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC)
-        .context("signalfd")?;
+    let signals = termination_signals()?;
     let child_exit = child.map(pidfd).transpose()?;
 
     let config = DaemonConfig {
@@ -219,14 +196,14 @@ fn serve(spec: TargetSpec, options: &Settings, child: Option<u32>) -> anyhow::Re
     })?;
     log::info!(
         dirty = daemon.dirty_mode(), checksum = options.checksum.to_string().as_str(),
-        domain = options.domain.name(), interval = options.interval;
+        domain = options.domain.to_string().as_str(), interval = options.interval;
         "running with --dirty {} --checksum {} --domain {}",
         daemon.dirty_mode(),
         options.checksum,
         options.domain
     );
     let status = StatusServer::start(&options.socket, options.metrics_address)?;
-    status.publish(daemon.status());
+    status.publish(Status::of(&daemon));
     if let Some(addr) = options.metrics_address {
         log::info!("serving Prometheus metrics on http://{addr}/metrics");
     }
@@ -241,7 +218,7 @@ fn serve(spec: TargetSpec, options: &Settings, child: Option<u32>) -> anyhow::Re
     }
     for pass in 1.. {
         let summary = daemon.pass();
-        status.publish(daemon.status());
+        status.publish(Status::of(&daemon));
         let s = daemon.stats();
         log::info!(
             pass, targets = summary.targets, pages_hashed = summary.pages_hashed,

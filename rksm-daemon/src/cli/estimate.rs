@@ -7,9 +7,11 @@ use std::{
 
 use clap::Args;
 use rksm::{
-    checksum::ChecksumKind,
-    dirty::HashOnly,
-    scan::{PageCounts, PassReport, Progress, ScanConfig, Scanner},
+    engine::checksum::ChecksumKind,
+    engine::dirty::HashOnly,
+    engine::scan::{PageCounts, PassReport, Progress, ScanConfig, Scanner},
+    engine::target::Target,
+    service::config::Seconds,
 };
 use serde_json::{json, Value};
 
@@ -33,7 +35,7 @@ pub struct EstimateArgs {
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=1000))]
     passes: u32,
     /// Seconds between passes.
-    #[arg(long, value_name = "SECS", default_value_t = 1.0, value_parser = parse_interval)]
+    #[arg(long, value_name = "SECS", default_value_t = 1.0, value_parser = |s: &str| Seconds::ESTIMATE.parse(s))]
     interval: f64,
     /// Checksum for the gate.
     #[arg(long, value_name = "xxh64|crc32c", default_value = "xxh64")]
@@ -41,15 +43,6 @@ pub struct EstimateArgs {
     /// Print one JSON object instead of tables.
     #[arg(long)]
     json: bool,
-}
-
-fn parse_interval(s: &str) -> Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(v) if v.is_finite() && (0.0..=3600.0).contains(&v) => Ok(v),
-        _ => Err(format!(
-            "`{s}` is not a number of seconds between 0 and 3600"
-        )),
-    }
 }
 
 pub fn run(args: EstimateArgs) -> anyhow::Result<()> {
@@ -62,6 +55,7 @@ pub fn run(args: EstimateArgs) -> anyhow::Result<()> {
         ..ScanConfig::default()
     };
     let mut scanner = Scanner::new(config, Box::new(HashOnly))?;
+    let mut targets: Vec<Target> = selection.processes.into_iter().map(Target::new).collect();
     let show_progress = io::stderr().is_terminal();
     let mut report = PassReport::default();
     for pass in 1..=args.passes {
@@ -80,7 +74,7 @@ pub fn run(args: EstimateArgs) -> anyhow::Result<()> {
                 );
             }
         };
-        report = scanner.pass(&selection.processes, &mut bar);
+        report = scanner.pass(&mut targets, &mut bar);
         if show_progress {
             eprint!("\r\x1b[K");
         }
@@ -129,7 +123,7 @@ fn to_json(report: &PassReport, args: &EstimateArgs) -> Value {
         "top_duplicates": top,
         "exited": report.exited,
         "passes": args.passes,
-        "checksum": args.checksum.name(),
+        "checksum": args.checksum.to_string(),
         "checksum_ns_per_page": report.total.checksum_ns.checked_div(report.total.pages_hashed).unwrap_or(0),
         "seconds": report.seconds,
     })

@@ -6,7 +6,7 @@
 use std::io::Write;
 
 use log::kv::{Key, Value, VisitSource};
-use rksm::config::LogFormat;
+use rksm::service::config::LogFormat;
 
 /// The filter in force: `--log-level`, else `RUST_LOG`, else the configuration file's, else
 /// `info`.

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use clap::{CommandFactory, Parser, Subcommand};
-use rksm::config::{check_log_filter, ConfigFile, LogFormat};
+use rksm::service::config::{check_log_filter, ConfigFile, LogFormat};
 
 mod bench;
 mod daemon;
@@ -39,6 +39,11 @@ pub struct Cli {
     /// Log lines as text or as JSON objects [default: the configuration file's, else text].
     #[arg(long, global = true, value_name = "text|json", display_order = 901)]
     log_format: Option<LogFormat>,
+    /// Read no configuration file unless --config names one: /etc/rksm/rksm.toml is ignored
+    /// (`rksm bench`, the demo and the tests use this, so a host's settings do not change
+    /// what they measure).
+    #[arg(long, global = true, display_order = 902)]
+    no_config: bool,
 }
 
 fn parse_log_filter(s: &str) -> Result<String, String> {
@@ -87,10 +92,26 @@ struct ManArgs {
     out_dir: Option<PathBuf>,
 }
 
+/// SIGINT and SIGTERM, blocked and delivered to a signalfd instead, so that a command's one
+/// poll loop (the daemon's wait between passes, `rksm trace`'s) sees them with everything
+/// else it waits for. Call before any thread starts: threads inherit the mask.
+fn termination_signals() -> anyhow::Result<nix::sys::signalfd::SignalFd> {
+    use anyhow::Context;
+    use nix::sys::{
+        signal::{SigSet, Signal},
+        signalfd::{SfdFlags, SignalFd},
+    };
+    let mut mask = SigSet::empty();
+    mask.add(Signal::SIGINT);
+    mask.add(Signal::SIGTERM);
+    mask.thread_block().context("blocking SIGINT and SIGTERM")?;
+    SignalFd::with_flags(&mask, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC).context("signalfd")
+}
+
 /// Runs the parsed command: reads the configuration file (for the commands that have one),
 /// starts logging, checks that rksm has the privileges the command needs, and runs it.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
-    use rksm::caps::{require, Capability::*};
+    use rksm::kernel::caps::{require, Capability::*};
     let config_flag = match &cli.command {
         Command::Daemon(args) => Some(args.options.config.as_deref()),
         Command::Run(args) => Some(args.options.config.as_deref()),
@@ -98,6 +119,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         _ => None,
     };
     let (file, used) = match config_flag {
+        Some(None) if cli.no_config => (ConfigFile::default(), None),
         Some(flag) => ConfigFile::load(flag).map_err(|e| BadInput(e.to_string()))?,
         None => (ConfigFile::default(), None),
     };

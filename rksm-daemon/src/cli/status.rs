@@ -4,9 +4,9 @@ use std::{io::Write, path::PathBuf, time::SystemTime};
 
 use clap::Args;
 use rksm::{
-    config::ConfigFile,
-    daemon::mib,
-    status::{query, render_metrics, unix_time, Status, DEFAULT_SOCKET},
+    daemon::{mib, unix_time},
+    service::config::ConfigFile,
+    service::status::{query, render_metrics, Status, DEFAULT_SOCKET},
 };
 
 /// Show what the running daemon is doing: its modes, counters, last pass and targets.
@@ -120,14 +120,14 @@ fn human(s: &Status, now: SystemTime) -> String {
         text += &row!(
             t.pid,
             t.comm,
-            t.pages_sharing,
-            t.pages_shared,
+            t.counters.pages_sharing,
+            t.counters.pages_shared,
             t.ksm_merging_pages.map_or("-".into(), |n| n.to_string()),
-            t.pages_marked,
-            t.pages_hashed,
-            t.pages_skipped_clean,
-            t.write_faults,
-            t.cow_breaks,
+            t.counters.pages_marked,
+            t.counters.pages_hashed,
+            t.counters.pages_skipped_clean,
+            t.counters.write_faults,
+            t.counters.cow_breaks,
             t.domain
         );
     }

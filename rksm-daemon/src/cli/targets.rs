@@ -5,8 +5,9 @@ use std::{path::PathBuf, time::Duration};
 use clap::Args;
 use regex::Regex;
 use rksm::{
-    config::ConfigFile,
-    targets::{Selection, SelectionError, TargetSpec},
+    engine::targets::{Selection, SelectionError, TargetSpec},
+    service::config::ConfigFile,
+    service::config::Seconds,
 };
 
 use super::BadInput;
@@ -28,7 +29,7 @@ pub struct TargetArgs {
     #[arg(long)]
     all: bool,
     /// Only processes running for at least this many seconds.
-    #[arg(long, value_name = "SECS", value_parser = parse_age)]
+    #[arg(long, value_name = "SECS", value_parser = |s: &str| Seconds::AGE.parse(s))]
     min_age: Option<f64>,
 }
 
@@ -39,13 +40,6 @@ fn parse_regex(s: &str) -> Result<Regex, String> {
             e.to_string().lines().last().unwrap_or("")
         )
     })
-}
-
-fn parse_age(s: &str) -> Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(v) if v.is_finite() && (0.0..1e9).contains(&v) => Ok(v),
-        _ => Err(format!("`{s}` is not a number of seconds")),
-    }
 }
 
 impl TargetArgs {

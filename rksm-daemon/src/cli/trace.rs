@@ -2,26 +2,21 @@
 
 use std::{
     io::{self, Write},
-    os::fd::{BorrowedFd, OwnedFd},
+    os::fd::AsFd,
     time::{Duration, Instant},
 };
 
 use anyhow::Context;
 use clap::Args;
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use rksm::{
-    targets::{Process, TargetError},
-    trace::{ProcessReport, TraceSession},
-    tracer::TracerConfig,
-};
-use tokio::{
-    io::{
-        unix::{AsyncFd, AsyncFdReadyGuard},
-        Interest,
-    },
-    signal::unix::{signal, SignalKind},
+    ebpf::tracer::TracerConfig,
+    kernel::process::{Process, TargetError},
+    service::config::Seconds,
+    tools::trace::{ProcessReport, TraceSession},
 };
 
-use super::BadInput;
+use super::{termination_signals, BadInput};
 
 /// Show which pages of running processes get written, as the eBPF tracer sees them.
 ///
@@ -38,7 +33,7 @@ pub struct TraceArgs {
     #[arg(long = "pid", value_name = "PID", required = true, value_parser = clap::value_parser!(u32).range(1..))]
     pids: Vec<u32>,
     /// Stop after this many seconds (default: run until Ctrl-C).
-    #[arg(long, value_name = "SECS", value_parser = parse_seconds)]
+    #[arg(long, value_name = "SECS", value_parser = |s: &str| Seconds::TRACE.parse(s))]
     duration: Option<f64>,
     /// Print one JSON object at the end instead of the per-second lines and the table.
     #[arg(long)]
@@ -58,13 +53,6 @@ fn parse_ring_bytes(s: &str) -> Result<u32, String> {
     }
 }
 
-fn parse_seconds(s: &str) -> Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(v) if v.is_finite() && v > 0.0 && v < 1e9 => Ok(v),
-        _ => Err(format!("`{s}` is not a positive number of seconds")),
-    }
-}
-
 #[derive(serde::Serialize)]
 struct JsonSummary<'a> {
     processes: &'a [ProcessReport],
@@ -73,11 +61,7 @@ struct JsonSummary<'a> {
 
 pub fn run(args: TraceArgs) -> anyhow::Result<()> {
     let processes = open_targets(&args.pids)?;
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("starting the event loop")?;
-    runtime.block_on(trace(processes, &args))
+    trace(processes, &args)
 }
 
 /// Opens every pid; a missing or refused one is reported and skipped, unless none is left.
@@ -107,23 +91,8 @@ fn open_targets(pids: &[u32]) -> anyhow::Result<Vec<Process>> {
     Ok(processes)
 }
 
-/// Registers a duplicate of `fd` with tokio, so the registration owns what it polls.
-fn watch(fd: BorrowedFd<'_>) -> io::Result<AsyncFd<OwnedFd>> {
-    let owned = fd.try_clone_to_owned()?;
-    // SAFETY: the AsyncFd owns `owned`, so the fd stays open and refers to the same file
-    // description for as long as it is registered.
-    unsafe { AsyncFd::register_with_interest(owned, Interest::READABLE) }.map_err(io::Error::from)
-}
-
-/// Readiness of an optional fd; never ready when there is none.
-async fn readable(fd: Option<&AsyncFd<OwnedFd>>) -> io::Result<AsyncFdReadyGuard<'_, OwnedFd>> {
-    match fd {
-        Some(fd) => fd.readable().await,
-        None => std::future::pending().await,
-    }
-}
-
-async fn trace(processes: Vec<Process>, args: &TraceArgs) -> anyhow::Result<()> {
+fn trace(processes: Vec<Process>, args: &TraceArgs) -> anyhow::Result<()> {
+    let signals = termination_signals()?;
     let pids: Vec<String> = processes.iter().map(|p| p.pid().to_string()).collect();
     let config = TracerConfig {
         ring_bytes: args
@@ -144,59 +113,51 @@ async fn trace(processes: Vec<Process>, args: &TraceArgs) -> anyhow::Result<()> 
 
     // Drain whenever records arrive, not just once a second: a busy process can fill the
     // ring within a second, and every record that does not fit is a loss.
-    let records = watch(session.tracer().records_fd()).context("polling the record ring")?;
-    let logs = match session.tracer().log_fd() {
-        Some(fd) => Some(watch(fd).context("polling the eBPF log ring")?),
-        None => None,
-    };
-    let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-    let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-    let mut tick = tokio::time::interval_at(
-        tokio::time::Instant::now() + Duration::from_secs(1),
-        Duration::from_secs(1),
-    );
-    let deadline = args
-        .duration
-        .map(|d| tokio::time::Instant::now() + Duration::from_secs_f64(d));
-    let until_deadline = async {
-        match deadline {
-            Some(at) => tokio::time::sleep_until(at).await,
-            None => std::future::pending().await,
-        }
-    };
-    tokio::pin!(until_deadline);
-
+    let deadline = args.duration.map(|d| started + Duration::from_secs_f64(d));
+    let mut next_tick = started + Duration::from_secs(1);
     loop {
-        tokio::select! {
-            guard = records.readable() => {
-                let mut guard = guard.context("polling the record ring")?;
-                session.drain();
-                guard.clear_ready();
+        let now = Instant::now();
+        if deadline.is_some_and(|d| now >= d) {
+            break;
+        }
+        let wake = deadline.map_or(next_tick, |d| d.min(next_tick));
+        let timeout =
+            PollTimeout::try_from(wake.saturating_duration_since(now)).unwrap_or(PollTimeout::MAX);
+        let recorder = session.recorder();
+        let mut fds = vec![
+            PollFd::new(signals.as_fd(), PollFlags::POLLIN),
+            PollFd::new(recorder.records_fd(), PollFlags::POLLIN),
+        ];
+        if let Some(fd) = recorder.log_fd() {
+            fds.push(PollFd::new(fd, PollFlags::POLLIN));
+        }
+        match poll(&mut fds, timeout) {
+            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => return Err(e).context("waiting for records"),
+        }
+        let signalled = fds[0].revents().is_some_and(|r| !r.is_empty());
+        drop(fds);
+        session.drain();
+        if signalled {
+            break;
+        }
+        if Instant::now() >= next_tick {
+            next_tick += Duration::from_secs(1);
+            for gone in session.reap_exited()? {
+                eprintln!(
+                    "rksm: pid {} ({}) exited; its numbers are final",
+                    gone.pid, gone.comm
+                );
             }
-            guard = readable(logs.as_ref()) => {
-                let mut guard = guard.context("polling the eBPF log ring")?;
-                session.drain();
-                guard.clear_ready();
+            if !args.json {
+                print_progress(started.elapsed(), &session.report()?)?;
             }
-            _ = tick.tick() => {
-                session.drain();
-                for gone in session.reap_exited()? {
-                    eprintln!("rksm: pid {} ({}) exited; its numbers are final", gone.pid, gone.comm);
-                }
-                if !args.json {
-                    print_progress(started.elapsed(), &session.report()?)?;
-                }
-                if session.all_exited() {
-                    eprintln!("rksm: every traced process has exited");
-                    break;
-                }
+            if session.all_exited() {
+                eprintln!("rksm: every traced process has exited");
+                break;
             }
-            _ = &mut until_deadline => break,
-            _ = sigint.recv() => break,
-            _ = sigterm.recv() => break,
         }
     }
-    drop(records);
     let seconds = started.elapsed().as_secs_f64();
     let reports = session.finish()?;
     let mut out = io::stdout().lock();

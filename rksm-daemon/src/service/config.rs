@@ -6,14 +6,14 @@
 //! file, the line and the key, so a typo never quietly falls back to a default.
 //!
 //! ```
-//! let config = rksm::config::ConfigFile::parse(
+//! let config = rksm::service::config::ConfigFile::parse(
 //!     "comm = '^python'\ndirty = 'ebpf'\ninterval = 2.5\n",
 //!     "rksm.toml".as_ref(),
 //! )
 //! .unwrap();
 //! assert_eq!(config.interval, Some(2.5));
 //!
-//! let err = rksm::config::ConfigFile::parse("intervall = 2\n", "rksm.toml".as_ref()).unwrap_err();
+//! let err = rksm::service::config::ConfigFile::parse("intervall = 2\n", "rksm.toml".as_ref()).unwrap_err();
 //! assert!(err.to_string().starts_with("rksm.toml: line 1: unknown field `intervall`"));
 //! ```
 
@@ -28,8 +28,8 @@ use regex::Regex;
 use serde::{de::Error as _, Deserialize, Deserializer};
 
 use crate::{
-    checksum::ChecksumKind,
     daemon::{DirtyMode, DomainPolicy},
+    engine::checksum::ChecksumKind,
 };
 
 /// Where the daemon looks for its configuration when `--config` is not given.
@@ -212,18 +212,91 @@ fn number<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
 }
 
 fn seconds<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
-    match number(d)? {
-        v if v.is_finite() && v > 0.0 && v <= 86_400.0 => Ok(Some(v)),
-        v => Err(D::Error::custom(format!(
-            "{v} is not a number of seconds between 0 and 86400"
-        ))),
-    }
+    Seconds::INTERVAL
+        .check(number(d)?)
+        .map(Some)
+        .map_err(D::Error::custom)
 }
 
 fn age<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
-    match number(d)? {
-        v if v.is_finite() && (0.0..1e9).contains(&v) => Ok(Some(v)),
-        v => Err(D::Error::custom(format!("{v} is not a number of seconds"))),
+    Seconds::AGE
+        .check(number(d)?)
+        .map(Some)
+        .map_err(D::Error::custom)
+}
+
+/// Bounds on a number of seconds: the one rule every flag and key that takes seconds follows.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Seconds {
+    min: f64,
+    /// Whether `min` itself is allowed.
+    min_ok: bool,
+    max: f64,
+}
+
+impl Seconds {
+    /// Between passes, or how long to run: more than 0, at most a day.
+    pub const INTERVAL: Seconds = Seconds {
+        min: 0.0,
+        min_ok: false,
+        max: 86_400.0,
+    };
+    /// How long a process must have run: 0 or more.
+    pub const AGE: Seconds = Seconds {
+        min: 0.0,
+        min_ok: true,
+        max: 1e9,
+    };
+    /// How long to trace: more than 0.
+    pub const TRACE: Seconds = Seconds {
+        min: 0.0,
+        min_ok: false,
+        max: 1e9,
+    };
+    /// Between `rksm estimate` passes: 0 to an hour.
+    pub const ESTIMATE: Seconds = Seconds {
+        min: 0.0,
+        min_ok: true,
+        max: 3600.0,
+    };
+    /// One `rksm bench` run: 2 s to an hour.
+    pub const BENCH: Seconds = Seconds {
+        min: 2.0,
+        min_ok: true,
+        max: 3600.0,
+    };
+
+    /// `value` if it is within bounds, else why not.
+    ///
+    /// ```
+    /// use rksm::service::config::Seconds;
+    /// assert_eq!(Seconds::INTERVAL.parse("2.5"), Ok(2.5));
+    /// assert_eq!(
+    ///     Seconds::INTERVAL.parse("0").unwrap_err(),
+    ///     "0 is not a number of seconds between 0 and 86400"
+    /// );
+    /// ```
+    pub fn check(self, value: f64) -> Result<f64, String> {
+        let above_min = value > self.min || (self.min_ok && value == self.min);
+        if value.is_finite() && above_min && value <= self.max {
+            Ok(value)
+        } else {
+            Err(format!(
+                "{value} is not a number of seconds between {} and {}",
+                self.min, self.max
+            ))
+        }
+    }
+
+    /// Parses `text` as a number of seconds within bounds.
+    pub fn parse(self, text: &str) -> Result<f64, String> {
+        match text.parse::<f64>() {
+            Ok(value) => self.check(value),
+            Err(_) => Err(format!(
+                "`{text}` is not a number of seconds between {} and {}",
+                self.min, self.max
+            )),
+        }
     }
 }
 
@@ -253,7 +326,7 @@ fn log_filter<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Erro
 }
 
 /// How log lines are written.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum LogFormat {
     /// `rksm: info: message key=value ...`, for people and journald.
     #[default]
@@ -262,18 +335,7 @@ pub enum LogFormat {
     Json,
 }
 
-impl FromStr for LogFormat {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "text" => Ok(LogFormat::Text),
-            "json" => Ok(LogFormat::Json),
-            other => Err(format!(
-                "unknown log format `{other}` (expected text or json)"
-            )),
-        }
-    }
-}
+crate::value_enum_text!(LogFormat => "log format");
 
 /// Checks a log filter: comma-separated `LEVEL` or `TARGET=LEVEL` directives.
 pub fn check_log_filter(filter: &str) -> Result<(), String> {

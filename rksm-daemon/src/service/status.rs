@@ -7,9 +7,9 @@
 //! daemon's loop never waits on a client: the server thread answers from the last snapshot.
 //!
 //! ```
-//! use rksm::status::{Status, render_metrics};
+//! use rksm::service::status::{Status, render_metrics};
 //! let text = render_metrics(&Status::default());
-//! assert!(text.contains("# TYPE rksm_full_scans counter\nrksm_full_scans 0\n"));
+//! assert!(text.contains("# TYPE rksm_full_scans_total counter\nrksm_full_scans_total 0\n"));
 //! ```
 
 use std::{
@@ -29,7 +29,7 @@ use std::{
         Arc, Mutex,
     },
     thread::JoinHandle,
-    time::{Duration, SystemTime},
+    time::Duration,
 };
 
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
@@ -37,7 +37,11 @@ use serde::{Deserialize, Serialize};
 
 use rksm_common::PAGE_SIZE;
 
-use crate::{daemon::DaemonStats, procfs::KsmStat};
+use crate::{
+    daemon::{unix_time, Daemon, DaemonStats, PassSummary},
+    engine::target::{Target, TargetCounters},
+    kernel::procfs::KsmStat,
+};
 
 /// Where `rksm status` finds the daemon unless told otherwise.
 pub const DEFAULT_SOCKET: &str = "/run/rksm/rksm.sock";
@@ -90,7 +94,7 @@ pub struct Status {
     /// When the daemon started (seconds since the Unix epoch).
     pub started_unix: f64,
     /// The last pass, once there was one.
-    pub last_pass: Option<LastPass>,
+    pub last_pass: Option<PassSummary>,
     /// The daemon's counters.
     pub counters: DaemonStats,
     /// What rksm gains the host, in bytes, as ksmd's `general_profit` does for KSM: the memory
@@ -102,6 +106,25 @@ pub struct Status {
 }
 
 impl Status {
+    /// What `daemon` is doing: modes, counters, the last pass and every target. The kernel's
+    /// own readings are left out: [`Status::read_live`] adds them when someone asks, so a
+    /// pass does not pay for a file read per target that nobody may look at.
+    pub fn of(daemon: &Daemon) -> Status {
+        let config = daemon.config();
+        Status {
+            version: env!("CARGO_PKG_VERSION").into(),
+            daemon_pid: std::process::id(),
+            dirty_mode: daemon.dirty_mode().into(),
+            checksum: config.checksum.to_string(),
+            domain: config.domain.to_string(),
+            started_unix: unix_time(daemon.started()),
+            last_pass: daemon.last_pass().cloned(),
+            counters: daemon.stats().clone(),
+            general_profit: 0,
+            targets: daemon.targets().map(TargetStatus::of).collect(),
+        }
+    }
+
     /// Adds what is read from the kernel at the moment of asking: each target's
     /// /proc/PID/ksm_stat and rksm's own resident memory (for `general_profit`).
     pub fn read_live(mut self) -> Status {
@@ -124,33 +147,6 @@ fn own_resident_bytes() -> i64 {
         .map_or(0, |pages| pages * PAGE_SIZE as i64)
 }
 
-/// Seconds since the Unix epoch, as the status reports times.
-pub fn unix_time(t: SystemTime) -> f64 {
-    t.duration_since(SystemTime::UNIX_EPOCH)
-        .map_or(0.0, |d| d.as_secs_f64())
-}
-
-/// The last pass.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct LastPass {
-    /// Its number (1 for the first).
-    pub number: u64,
-    /// When it ended (seconds since the Unix epoch).
-    pub ended_unix: f64,
-    /// How long it took.
-    pub seconds: f64,
-    /// Targets scanned.
-    pub targets: usize,
-    /// Pages hashed.
-    pub pages_hashed: u64,
-    /// Pages skipped as clean.
-    pub pages_skipped_clean: u64,
-    /// Verified duplicates found.
-    pub duplicates: u64,
-    /// Runs newly marked.
-    pub runs_marked: u64,
-}
-
 /// One target's counters.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct TargetStatus {
@@ -160,22 +156,9 @@ pub struct TargetStatus {
     pub comm: String,
     /// Its merge domain.
     pub domain: String,
-    /// KSM frames first seen in this target (last pass).
-    pub pages_shared: u64,
-    /// Further mappings of KSM frames in this target (last pass): memory saved.
-    pub pages_sharing: u64,
-    /// Pages whose checksum changed since the pass before (last pass).
-    pub pages_volatile: u64,
-    /// Pages marked mergeable.
-    pub pages_marked: u64,
-    /// Pages read and checksummed since it became a target.
-    pub pages_hashed: u64,
-    /// Pages skipped as clean since it became a target.
-    pub pages_skipped_clean: u64,
-    /// Write faults the tracer saw.
-    pub write_faults: u64,
-    /// Writes to merged pages the tracer saw.
-    pub cow_breaks: u64,
+    /// Its counters.
+    #[serde(flatten)]
+    pub counters: TargetCounters,
     /// The kernel's own count of the process's pages mapped to KSM pages
     /// (/proc/PID/ksm_stat), when it has one (filled in by [`Status::read_live`]).
     pub ksm_merging_pages: Option<u64>,
@@ -183,12 +166,31 @@ pub struct TargetStatus {
     pub ksm_process_profit: Option<i64>,
 }
 
+impl TargetStatus {
+    /// What the status shows of `target`.
+    pub fn of(target: &Target) -> TargetStatus {
+        TargetStatus {
+            pid: target.pid(),
+            comm: target.process().comm().into(),
+            domain: target.domain_name().into(),
+            counters: target.counters.clone(),
+            ..TargetStatus::default()
+        }
+    }
+}
+
 /// Prometheus text exposition (version 0.0.4) of `status`: daemon-wide counters without
 /// labels, per-target ones with `pid` and `comm` labels (sum them for totals).
 pub fn render_metrics(status: &Status) -> String {
     let mut out = String::new();
     let c = &status.counters;
+    // Names follow the exposition conventions: counters end in `_total`, and quantities are
+    // in base units (seconds, bytes), as their names say.
     let mut family = |name: &str, kind: &str, help: &str, samples: &[(String, f64)]| {
+        let name = match kind {
+            "counter" => format!("{name}_total"),
+            _ => name.to_string(),
+        };
         let _ = writeln!(out, "# HELP rksm_{name} {help}\n# TYPE rksm_{name} {kind}");
         for (labels, value) in samples {
             let _ = writeln!(out, "rksm_{name}{labels} {value}");
@@ -235,7 +237,7 @@ pub fn render_metrics(status: &Status) -> String {
             status.targets.len() as f64,
         ),
         (
-            "general_profit",
+            "general_profit_bytes",
             "gauge",
             "Bytes merging saves in the targets minus rksm's own resident memory.",
             status.general_profit as f64,
@@ -247,10 +249,10 @@ pub fn render_metrics(status: &Status) -> String {
             c.pages_unshared as f64,
         ),
         (
-            "checksum_ns",
+            "checksum_seconds",
             "counter",
             "Time spent in checksums.",
-            c.checksum_ns as f64,
+            c.checksum_ns as f64 / 1e9,
         ),
         (
             "tracer_lost",
@@ -292,46 +294,46 @@ pub fn render_metrics(status: &Status) -> String {
             "pages_shared",
             "gauge",
             "KSM frames first seen in the target (last pass).",
-            |t| Some(t.pages_shared as f64),
+            |t| Some(t.counters.pages_shared as f64),
         ),
         (
             "pages_sharing",
             "gauge",
             "Further mappings of KSM frames in the target, the memory saved (last pass).",
-            |t| Some(t.pages_sharing as f64),
+            |t| Some(t.counters.pages_sharing as f64),
         ),
         (
             "pages_volatile",
             "gauge",
             "Pages whose checksum changed since the pass before (last pass).",
-            |t| Some(t.pages_volatile as f64),
+            |t| Some(t.counters.pages_volatile as f64),
         ),
         ("pages_marked", "gauge", "Pages marked mergeable.", |t| {
-            Some(t.pages_marked as f64)
+            Some(t.counters.pages_marked as f64)
         }),
         (
             "pages_hashed",
             "counter",
             "Pages read and checksummed.",
-            |t| Some(t.pages_hashed as f64),
+            |t| Some(t.counters.pages_hashed as f64),
         ),
         (
             "pages_skipped_clean",
             "counter",
             "Pages the dirty source proved clean and were not read.",
-            |t| Some(t.pages_skipped_clean as f64),
+            |t| Some(t.counters.pages_skipped_clean as f64),
         ),
         (
             "write_faults",
             "counter",
             "Write faults the tracer saw.",
-            |t| Some(t.write_faults as f64),
+            |t| Some(t.counters.write_faults as f64),
         ),
         (
             "cow_breaks",
             "counter",
             "Writes the tracer saw to merged pages.",
-            |t| Some(t.cow_breaks as f64),
+            |t| Some(t.counters.cow_breaks as f64),
         ),
         (
             "ksm_merging_pages",
@@ -340,7 +342,7 @@ pub fn render_metrics(status: &Status) -> String {
             |t| t.ksm_merging_pages.map(|v| v as f64),
         ),
         (
-            "ksm_process_profit",
+            "ksm_process_profit_bytes",
             "gauge",
             "The kernel's ksm_process_profit for the target, in bytes.",
             |t| t.ksm_process_profit.map(|v| v as f64),
@@ -410,11 +412,10 @@ impl StatusServer {
         }
         // The socket file takes its mode from the umask at bind: closed to all but root from
         // its first instant. Nothing else runs in rksm while the umask is narrowed.
-        // SAFETY: umask only swaps the process's file-creation mask.
-        let old = unsafe { libc::umask(0o177) };
+        use nix::sys::stat::{umask, Mode};
+        let old = umask(Mode::from_bits_truncate(0o177));
         let unix = UnixListener::bind(socket);
-        // SAFETY: as above, putting the mask back.
-        unsafe { libc::umask(old) };
+        umask(old);
         let unix = unix.map_err(sock_err)?;
         unix.set_nonblocking(true)
             .map_err(listen_err(socket.display().to_string()))?;
@@ -577,23 +578,29 @@ mod tests {
             dirty_mode: "ebpf".into(),
             checksum: "xxh64".into(),
             domain: "uid".into(),
-            last_pass: Some(LastPass {
+            last_pass: Some(PassSummary {
                 number: 3,
                 seconds: 0.25,
-                ..LastPass::default()
+                ..PassSummary::default()
             }),
             targets: vec![
                 TargetStatus {
                     pid: 10,
                     comm: "py\"thon".into(),
-                    pages_sharing: 7,
-                    pages_hashed: 100,
+                    counters: TargetCounters {
+                        pages_sharing: 7,
+                        pages_hashed: 100,
+                        ..TargetCounters::default()
+                    },
                     ..TargetStatus::default()
                 },
                 TargetStatus {
                     pid: 11,
                     comm: "node".into(),
-                    pages_sharing: 5,
+                    counters: TargetCounters {
+                        pages_sharing: 5,
+                        ..TargetCounters::default()
+                    },
                     ..TargetStatus::default()
                 },
             ],
@@ -608,25 +615,31 @@ mod tests {
     fn metrics_have_the_design_names_per_process_labels_and_types() {
         let text = render_metrics(&sample());
         for line in [
-            "# TYPE rksm_full_scans counter",
-            "rksm_full_scans 3",
+            "# TYPE rksm_full_scans_total counter",
+            "rksm_full_scans_total 3",
             "# TYPE rksm_pages_sharing gauge",
             "rksm_pages_sharing{pid=\"10\",comm=\"py\\\"thon\"} 7",
             "rksm_pages_sharing{pid=\"11\",comm=\"node\"} 5",
             "rksm_pages_shared{pid=\"11\",comm=\"node\"} 0",
-            "# TYPE rksm_pages_hashed counter",
-            "rksm_pages_hashed{pid=\"10\",comm=\"py\\\"thon\"} 100",
-            "rksm_targets_refused{reason=\"traced\"} 2",
+            "# TYPE rksm_pages_hashed_total counter",
+            "rksm_pages_hashed_total{pid=\"10\",comm=\"py\\\"thon\"} 100",
+            "rksm_targets_refused_total{reason=\"traced\"} 2",
+            "# TYPE rksm_checksum_seconds_total counter",
+            "# TYPE rksm_general_profit_bytes gauge",
             "rksm_pass_seconds 0.25",
             "rksm_info{version=\"0.1.0\",dirty_mode=\"ebpf\",checksum=\"xxh64\",domain=\"uid\"} 1",
         ] {
             assert!(text.lines().any(|l| l == line), "no `{line}` in\n{text}");
         }
-        // Every sample belongs to a family announced just before it.
+        // Every sample belongs to a family announced just before it, and every counter's
+        // name ends in `_total`.
         let mut family = "";
         for l in text.lines() {
             if let Some(rest) = l.strip_prefix("# TYPE ") {
                 family = rest.split(' ').next().unwrap();
+                if rest.ends_with(" counter") {
+                    assert!(family.ends_with("_total"), "{l}");
+                }
             } else if !l.starts_with('#') {
                 let name = l.split(['{', ' ']).next().unwrap();
                 assert_eq!(name, family, "{l}");
@@ -646,8 +659,7 @@ mod tests {
         server.publish(sample());
         let got = query(&socket);
         // Only root gets an answer: as anyone else the reply is empty.
-        // SAFETY: geteuid cannot fail.
-        if unsafe { libc::geteuid() } == 0 {
+        if nix::unistd::geteuid().is_root() {
             assert_eq!(got.unwrap().counters.full_scans, 3);
         } else {
             assert!(got.is_err());

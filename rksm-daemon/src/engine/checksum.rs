@@ -7,10 +7,8 @@
 //! collision). A checksum never decides a merge: contents are always compared. jhash2 is here
 //! only as a faithful port of KSM's original checksum, for the benchmark.
 
-use std::{fmt, str::FromStr};
-
 /// Which checksum rksm computes per page.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum ChecksumKind {
     /// xxh64, seed 0 (KSM since Linux 4.20).
     #[default]
@@ -29,7 +27,7 @@ impl ChecksumKind {
     /// The checksum of `page`; never [`NO_CHECKSUM`].
     ///
     /// ```
-    /// use rksm::checksum::ChecksumKind;
+    /// use rksm::engine::checksum::ChecksumKind;
     /// let page = [7u8; 4096];
     /// assert_eq!(ChecksumKind::Xxh64.checksum(&page), ChecksumKind::Xxh64.checksum(&[7u8; 4096]));
     /// assert_ne!(ChecksumKind::Crc32c.checksum(&page), ChecksumKind::Crc32c.checksum(&[8u8; 4096]));
@@ -51,37 +49,9 @@ impl ChecksumKind {
             ChecksumKind::Crc32c => |page| ChecksumKind::Crc32c.checksum(page),
         }
     }
-
-    /// The name used on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            ChecksumKind::Xxh64 => "xxh64",
-            ChecksumKind::Crc32c => "crc32c",
-        }
-    }
 }
 
-impl fmt::Display for ChecksumKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-/// An unknown checksum name.
-#[derive(Debug, thiserror::Error)]
-#[error("unknown checksum `{0}` (expected xxh64 or crc32c)")]
-pub struct UnknownChecksum(String);
-
-impl FromStr for ChecksumKind {
-    type Err = UnknownChecksum;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "xxh64" => Ok(ChecksumKind::Xxh64),
-            "crc32c" => Ok(ChecksumKind::Crc32c),
-            other => Err(UnknownChecksum(other.to_string())),
-        }
-    }
-}
+crate::value_enum_text!(ChecksumKind => "checksum");
 
 /// The kernel's `jhash2(k, length, initval)` (include/linux/jhash.h), as KSM called it before
 /// 4.20: `jhash2(page, PAGE_SIZE / 4, 17)`. For benchmarks only.

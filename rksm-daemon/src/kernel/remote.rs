@@ -16,7 +16,6 @@ use std::{fmt, fs};
 
 use nix::{
     errno::Errno,
-    libc::user_regs_struct,
     sys::{
         ptrace,
         signal::Signal,
@@ -25,18 +24,80 @@ use nix::{
     unistd::Pid,
 };
 
-use crate::{procfs, reader::ProcMem, targets::Process};
+use crate::{kernel::process::Process, kernel::procfs, kernel::reader::ProcMem};
 
-/// x86_64 system call numbers used remotely.
+/// System call numbers used remotely (the target's architecture is rksm's own: a compat
+/// process is never borrowed).
 pub mod nr {
     /// `close(fd)`.
-    pub const CLOSE: u64 = 3;
+    pub const CLOSE: u64 = libc::SYS_close as u64;
     /// `madvise(addr, len, advice)`.
-    pub const MADVISE: u64 = 28;
+    pub const MADVISE: u64 = libc::SYS_madvise as u64;
     /// `getpid()`.
-    pub const GETPID: u64 = 39;
+    pub const GETPID: u64 = libc::SYS_getpid as u64;
     /// `userfaultfd(flags)`.
-    pub const USERFAULTFD: u64 = 323;
+    pub const USERFAULTFD: u64 = libc::SYS_userfaultfd as u64;
+}
+
+/// The registers of a borrowed thread, and how a system call is made with them. Only x86_64
+/// is implemented: elsewhere [`RemoteSession::begin`] refuses with
+/// [`RemoteError::Unsupported`], and everything that needs no borrowed thread still works.
+#[cfg(target_arch = "x86_64")]
+mod arch {
+    use nix::{sys::ptrace, unistd::Pid};
+
+    /// The saved registers.
+    pub type Regs = nix::libc::user_regs_struct;
+    /// The `syscall` instruction.
+    pub const SYSCALL: [u8; 2] = [0x0f, 0x05];
+
+    pub fn get(tid: Pid) -> nix::Result<Regs> {
+        ptrace::getregs(tid)
+    }
+
+    pub fn set(tid: Pid, regs: Regs) -> nix::Result<()> {
+        ptrace::setregs(tid, regs)
+    }
+
+    /// `saved`, pointed at the `syscall` instruction at `at` with `number` and `args`.
+    pub fn call(saved: &Regs, at: u64, number: u64, args: [u64; 6]) -> Regs {
+        let mut regs = *saved;
+        regs.rip = at;
+        regs.rax = number;
+        // Not inside a system call as far as the kernel's restart logic is concerned.
+        regs.orig_rax = u64::MAX;
+        (regs.rdi, regs.rsi, regs.rdx, regs.r10, regs.r8, regs.r9) =
+            (args[0], args[1], args[2], args[3], args[4], args[5]);
+        regs
+    }
+
+    /// The call's result, if the thread stepped over the instruction at `at` (a signal can
+    /// stop it before it executes the instruction: then the call is made again).
+    pub fn result(after: &Regs, at: u64) -> Option<i64> {
+        (after.rip == at + SYSCALL.len() as u64).then_some(after.rax as i64)
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+mod arch {
+    use nix::unistd::Pid;
+
+    pub type Regs = ();
+    pub const SYSCALL: [u8; 2] = [0, 0];
+
+    pub fn get(_tid: Pid) -> nix::Result<Regs> {
+        Err(nix::errno::Errno::ENOSYS)
+    }
+
+    pub fn set(_tid: Pid, _regs: Regs) -> nix::Result<()> {
+        Err(nix::errno::Errno::ENOSYS)
+    }
+
+    pub fn call(_saved: &Regs, _at: u64, _number: u64, _args: [u64; 6]) -> Regs {}
+
+    pub fn result(_after: &Regs, _at: u64) -> Option<i64> {
+        None
+    }
 }
 
 /// Why a target cannot be borrowed for remote system calls.
@@ -104,6 +165,9 @@ pub enum RemoteError {
     /// holds belong to an address space that no longer exists. Nothing was done to it.
     #[error("pid {0} executed a new program since it was scanned")]
     NewImage(u32),
+    /// Remote system calls are not implemented for this architecture.
+    #[error("remote system calls are implemented for x86_64 only; rksm cannot mark or arm targets here (`rksm estimate` and `rksm trace` still work)")]
+    Unsupported,
     /// A ptrace operation failed.
     #[error("pid {pid}: ptrace {op}: {errno}")]
     Ptrace {
@@ -183,7 +247,7 @@ fn vdso_syscall_instruction(pid: u32) -> Result<u64, RemoteError> {
         }
     }
     code.windows(2)
-        .position(|w| w == [0x0f, 0x05])
+        .position(|w| w == arch::SYSCALL)
         .map(|offset| vdso.start + offset as u64)
         .ok_or(RemoteError::Refused {
             pid,
@@ -197,7 +261,9 @@ fn vdso_syscall_instruction(pid: u32) -> Result<u64, RemoteError> {
 pub struct RemoteSession {
     pid: u32,
     tid: Pid,
-    saved: user_regs_struct,
+    /// The thread's registers when it stopped; `None` until they were read, and then nothing
+    /// is written back.
+    saved: Option<arch::Regs>,
     syscall_at: u64,
     /// Signals that arrived while we held the thread, to hand back when we let it go.
     pending: Vec<Signal>,
@@ -208,6 +274,9 @@ pub struct RemoteSession {
 impl RemoteSession {
     /// Stops one thread of `process` (its main thread) and saves its registers.
     pub fn begin(process: &Process) -> Result<Self, RemoteError> {
+        if !cfg!(target_arch = "x86_64") {
+            return Err(RemoteError::Unsupported);
+        }
         let pid = process.pid();
         check_borrowable(pid)?;
         let syscall_at = vdso_syscall_instruction(pid)?;
@@ -224,7 +293,7 @@ impl RemoteSession {
         let mut session = RemoteSession {
             pid,
             tid,
-            saved: zeroed_regs(),
+            saved: None,
             syscall_at,
             pending: Vec::new(),
             calls: 0,
@@ -236,7 +305,7 @@ impl RemoteSession {
             return Err(ptrace_err("interrupt")(errno));
         }
         session.wait_for_stop(false)?;
-        session.saved = ptrace::getregs(tid).map_err(ptrace_err("getregs"))?;
+        session.saved = Some(arch::get(tid).map_err(ptrace_err("getregs"))?);
         // Stopped, the thread can no longer exec; but it may have before we stopped it, and
         // then the vDSO address and every address the caller scanned are stale.
         if process.has_new_image() {
@@ -266,25 +335,18 @@ impl RemoteSession {
                 errno => RemoteError::Ptrace { pid, op, errno },
             }
         };
-        let mut regs = self.saved;
-        regs.rip = self.syscall_at;
-        regs.rax = number;
-        // Not inside a system call as far as the kernel's restart logic is concerned.
-        regs.orig_rax = u64::MAX;
+        let saved = self.saved.as_ref().ok_or(RemoteError::Gone(pid))?;
         let mut a = [0u64; 6];
         a[..args.len()].copy_from_slice(args);
-        (regs.rdi, regs.rsi, regs.rdx, regs.r10, regs.r8, regs.r9) =
-            (a[0], a[1], a[2], a[3], a[4], a[5]);
+        let regs = arch::call(saved, self.syscall_at, number, a);
         loop {
-            ptrace::setregs(self.tid, regs).map_err(err("setregs"))?;
+            arch::set(self.tid, regs).map_err(err("setregs"))?;
             ptrace::step(self.tid, None).map_err(err("singlestep"))?;
             self.wait_for_stop(true)?;
-            let after = ptrace::getregs(self.tid).map_err(err("getregs"))?;
-            // A signal can stop the thread before it executes the instruction: then rip has
-            // not moved past it, and the call is made again.
-            if after.rip == self.syscall_at + 2 {
+            let after = arch::get(self.tid).map_err(err("getregs"))?;
+            if let Some(result) = arch::result(&after, self.syscall_at) {
                 self.calls += 1;
-                return Ok(after.rax as i64);
+                return Ok(result);
             }
         }
     }
@@ -353,7 +415,10 @@ impl RemoteSession {
                 errno => RemoteError::Ptrace { pid, op, errno },
             }
         };
-        let restored = ptrace::setregs(self.tid, self.saved).map_err(err("setregs"));
+        let restored = match self.saved {
+            Some(saved) => arch::set(self.tid, saved).map_err(err("setregs")),
+            None => Ok(()),
+        };
         let detached = ptrace::detach(self.tid, None).map_err(err("detach"));
         // Signals held back while we had the thread go to the same thread now; a detach
         // from an event stop would drop a signal passed to it.
@@ -378,11 +443,6 @@ impl Drop for RemoteSession {
             log::warn!("letting go of pid {}: {e}", self.pid);
         }
     }
-}
-
-fn zeroed_regs() -> user_regs_struct {
-    // SAFETY: user_regs_struct is plain integers; all zeros is a valid value.
-    unsafe { std::mem::zeroed() }
 }
 
 #[cfg(test)]

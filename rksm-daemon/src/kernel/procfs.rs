@@ -89,7 +89,7 @@ impl Vma {
     /// Parses one maps line: `start-end perms offset dev inode [name]`.
     ///
     /// ```
-    /// let vma = rksm::procfs::Vma::parse("7f0000-8f0000 rw-p 00000000 00:00 0 ").unwrap();
+    /// let vma = rksm::kernel::procfs::Vma::parse("7f0000-8f0000 rw-p 00000000 00:00 0 ").unwrap();
     /// assert_eq!((vma.start, vma.end), (0x7f_0000, 0x8f_0000));
     /// assert!(vma.is_private_anonymous_writable());
     /// ```
@@ -133,8 +133,8 @@ pub fn read_maps(pid: u32) -> Result<Vec<Vma>, ProcfsError> {
 ///
 /// ```
 /// let stat = "42 (a) b) R 1 42 42 0 -1 4194560";
-/// assert_eq!(rksm::procfs::stat_field(stat, 3), Some("R"));
-/// assert_eq!(rksm::procfs::stat_field(stat, 9), Some("4194560"));
+/// assert_eq!(rksm::kernel::procfs::stat_field(stat, 3), Some("R"));
+/// assert_eq!(rksm::kernel::procfs::stat_field(stat, 9), Some("4194560"));
 /// ```
 pub fn stat_field(stat: &str, n: usize) -> Option<&str> {
     stat.get(stat.rfind(')')? + 1..)?
@@ -171,7 +171,7 @@ impl KsmStat {
     /// fields of later kernels) are skipped. `None` if a known field holds no number.
     ///
     /// ```
-    /// let stat = rksm::procfs::KsmStat::parse(
+    /// let stat = rksm::kernel::procfs::KsmStat::parse(
     ///     "ksm_rmap_items 7\nksm_zero_pages 0\nksm_merging_pages 5\nksm_process_profit -20\nksm_merge_any: no\n",
     /// )
     /// .unwrap();

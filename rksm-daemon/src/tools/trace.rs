@@ -9,8 +9,11 @@
 use serde::Serialize;
 
 use crate::{
-    targets::Process,
-    tracer::{Tracer, TracerConfig, TracerError, WriteLog},
+    ebpf::{
+        recorder::{Recorder, TracerState},
+        tracer::{Tracer, TracerConfig, TracerError},
+    },
+    kernel::process::Process,
 };
 
 /// One traced process's numbers so far.
@@ -40,21 +43,19 @@ struct Traced {
 
 /// A tracer tracking a fixed set of processes until they exit.
 pub struct TraceSession {
-    tracer: Tracer,
-    writes: WriteLog,
+    recorder: Recorder,
     traced: Vec<Traced>,
 }
 
 impl TraceSession {
     /// Loads the tracer and starts tracking `processes`.
     pub fn start(processes: Vec<Process>, config: TracerConfig) -> Result<Self, TracerError> {
-        let mut tracer = Tracer::load(config)?;
+        let mut recorder = Recorder::new(Tracer::load(config)?);
         for process in &processes {
-            tracer.track(process.pid())?;
+            recorder.track(process.pid(), &mut TracerState::default())?;
         }
         Ok(TraceSession {
-            tracer,
-            writes: WriteLog::default(),
+            recorder,
             traced: processes
                 .into_iter()
                 .map(|process| Traced {
@@ -65,15 +66,14 @@ impl TraceSession {
         })
     }
 
-    /// The tracer, to poll its fds.
-    pub fn tracer(&self) -> &Tracer {
-        &self.tracer
+    /// The recorder, to poll its fds.
+    pub fn recorder(&self) -> &Recorder {
+        &self.recorder
     }
 
     /// Moves pending records into the session and forwards the program's log lines.
     pub fn drain(&mut self) {
-        self.tracer.drain(&mut self.writes);
-        self.tracer.flush_log();
+        self.recorder.drain();
     }
 
     /// Untracks processes that exited since the last call and returns them.
@@ -85,9 +85,8 @@ impl TraceSession {
                 continue;
             }
             let pid = traced.process.pid();
-            let last = self.tracer.untrack(pid)?.unwrap_or_default();
+            let last = self.recorder.untrack(pid)?.unwrap_or_default();
             self.traced[i].final_counters = Some(last);
-            self.drain();
             reaped.push(self.report_one(&self.traced[i])?);
         }
         Ok(reaped)
@@ -108,7 +107,7 @@ impl TraceSession {
         for i in 0..self.traced.len() {
             if self.traced[i].final_counters.is_none() {
                 let pid = self.traced[i].process.pid();
-                let last = self.tracer.untrack(pid)?.unwrap_or_default();
+                let last = self.recorder.untrack(pid)?.unwrap_or_default();
                 self.traced[i].final_counters = Some(last);
             }
         }
@@ -126,19 +125,19 @@ impl TraceSession {
 
     /// The pages `pid` was seen writing so far.
     pub fn written(&self, pid: u32) -> impl Iterator<Item = u64> + '_ {
-        self.writes.pages(pid)
+        self.recorder.log().pages(pid)
     }
 
     fn report_one(&self, traced: &Traced) -> Result<ProcessReport, TracerError> {
         let pid = traced.process.pid();
         let counters = match traced.final_counters {
             Some(last) => last,
-            None => self.tracer.process_counters(pid)?.unwrap_or_default(),
+            None => self.recorder.process_counters(pid)?.unwrap_or_default(),
         };
         Ok(ProcessReport {
             pid,
             comm: traced.process.comm().to_string(),
-            written_pages: self.writes.written_pages(pid) as u64,
+            written_pages: self.recorder.log().written_pages(pid) as u64,
             write_faults: counters.write_faults,
             lost: counters.lost,
             exited: traced.final_counters.is_some(),

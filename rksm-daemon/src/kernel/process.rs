@@ -1,4 +1,4 @@
-//! Targets: the processes rksm works on, and the ones it refuses.
+//! Processes: a pid pinned by a pidfd, or the precise reason rksm will not touch it.
 //!
 //! Everything rksm does to a process starts from a pid an operator typed or a scan found, and
 //! pids are racy: a process can exit and its pid be reused, a pid can name a thread rather
@@ -7,16 +7,12 @@
 //! recycled pid) or into a precise reason why rksm will not touch it.
 
 use std::{
-    collections::BTreeSet,
     fmt, fs, io,
-    os::fd::{AsRawFd, FromRawFd, OwnedFd},
-    path::{Path, PathBuf},
+    os::fd::{FromRawFd, OwnedFd},
     time::Duration,
 };
 
-use regex::Regex;
-
-use crate::procfs::{clock_ticks_per_second, stat_field};
+use crate::kernel::procfs::{clock_ticks_per_second, stat_field};
 
 /// `PF_EXITING` in /proc/PID/stat's flags: the task is being torn down.
 const PF_EXITING: u64 = 0x0000_0004;
@@ -81,6 +77,25 @@ pub enum TargetError {
     },
 }
 
+/// Who a process is: its pid and when it started. A later process that reuses the pid has
+/// another start time, so nothing keyed by this is ever inherited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ProcessId {
+    /// Process id.
+    pub pid: u32,
+    /// Start time, in clock ticks after boot.
+    pub start_ticks: u64,
+}
+
+impl ProcessId {
+    /// The identity of whatever process has `pid` now (`None` if there is none).
+    pub fn of(pid: u32) -> Option<ProcessId> {
+        let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let start_ticks = stat_field(&stat, 22)?.parse().ok()?;
+        Some(ProcessId { pid, start_ticks })
+    }
+}
+
 /// A live user process, pinned by a pidfd.
 #[derive(Debug)]
 pub struct Process {
@@ -130,6 +145,14 @@ impl Process {
         self.pid
     }
 
+    /// Its identity (pid and start time).
+    pub fn id(&self) -> ProcessId {
+        ProcessId {
+            pid: self.pid,
+            start_ticks: self.start_ticks,
+        }
+    }
+
     /// The pidfd that pins the process.
     pub fn pidfd(&self) -> std::os::fd::BorrowedFd<'_> {
         use std::os::fd::AsFd;
@@ -167,14 +190,10 @@ impl Process {
 
     /// True once the process has exited (its pidfd became readable). Never blocks.
     pub fn has_exited(&self) -> bool {
-        let mut pfd = libc::pollfd {
-            fd: self.pidfd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd, zero timeout; the fd is owned by self and open.
-        let n = unsafe { libc::poll(&mut pfd, 1, 0) };
-        n > 0 && pfd.revents != 0
+        use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+        let mut fds = [PollFd::new(self.pidfd(), PollFlags::POLLIN)];
+        poll(&mut fds, PollTimeout::ZERO).is_ok_and(|n| n > 0)
+            && fds[0].revents().is_some_and(|r| !r.is_empty())
     }
 }
 
@@ -185,211 +204,8 @@ fn uptime_seconds() -> f64 {
         .unwrap_or(0.0)
 }
 
-/// Where cgroups are mounted; relative `--cgroup` paths are taken from here.
-const CGROUP_ROOT: &str = "/sys/fs/cgroup";
-
-/// Which processes to work on, as the operator selected them. The selectors add up; the
-/// minimum age then filters.
-#[derive(Debug, Clone, Default)]
-pub struct TargetSpec {
-    /// Explicit pids: each must exist and be acceptable, or the selection fails.
-    pub pids: Vec<u32>,
-    /// Cgroup directories (v1 or v2), absolute or relative to /sys/fs/cgroup; the processes
-    /// of the cgroup and of every cgroup below it.
-    pub cgroups: Vec<PathBuf>,
-    /// Processes whose command name (/proc/PID/comm) matches.
-    pub comm: Option<Regex>,
-    /// Every user process.
-    pub all: bool,
-    /// Only processes at least this old.
-    pub min_age: Option<Duration>,
-    /// A process and all its descendants (`rksm run`).
-    pub tree_of: Option<u32>,
-}
-
-/// Errors in a target selection: all are the operator's input, so all are exit status 2.
-#[derive(Debug, thiserror::Error)]
-pub enum SelectionError {
-    /// Nothing was selected at all.
-    #[error("no targets given: use --pid, --cgroup, --comm or --all")]
-    Empty,
-    /// A --pid that cannot be used.
-    #[error(transparent)]
-    Pid(#[from] TargetError),
-    /// A --cgroup directory that does not exist or has no cgroup.procs.
-    #[error("cgroup {path} not found: {source}")]
-    Cgroup {
-        /// The path as resolved.
-        path: PathBuf,
-        /// Why it could not be read.
-        source: io::Error,
-    },
-}
-
-/// The outcome of a selection: the processes to work on, and those refused with a reason.
-#[derive(Debug, Default)]
-pub struct Selection {
-    /// Processes to work on, by pid.
-    pub processes: Vec<Process>,
-    /// Processes matched by a selector but refused.
-    pub refused: Vec<(u32, String, RefusalReason)>,
-}
-
-impl TargetSpec {
-    /// Whether any selector was given.
-    pub fn is_empty(&self) -> bool {
-        self.pids.is_empty()
-            && self.cgroups.is_empty()
-            && self.comm.is_none()
-            && !self.all
-            && self.tree_of.is_none()
-    }
-
-    /// Resolves the selection now. Explicit pids must be usable; processes found through a
-    /// cgroup, a name or --all that are refused (kernel threads, rksm itself) are listed in
-    /// [`Selection::refused`]; processes that exit while being looked at are skipped.
-    pub fn resolve(&self) -> Result<Selection, SelectionError> {
-        self.resolve_with(true)
-    }
-
-    /// Like [`TargetSpec::resolve`], but explicit pids that no longer exist or are refused
-    /// are skipped: for the daemon's later passes, when processes come and go.
-    pub fn resolve_again(&self) -> Result<Selection, SelectionError> {
-        self.resolve_with(false)
-    }
-
-    fn resolve_with(&self, strict: bool) -> Result<Selection, SelectionError> {
-        if self.is_empty() {
-            return Err(SelectionError::Empty);
-        }
-        let mut selection = Selection::default();
-        let mut seen = BTreeSet::new();
-        for &pid in &self.pids {
-            match Process::open(pid) {
-                Ok(process) => {
-                    if seen.insert(process.pid()) {
-                        selection.processes.push(process);
-                    }
-                }
-                Err(e) if strict => return Err(e.into()),
-                Err(TargetError::Refused { pid, comm, reason }) => {
-                    if seen.insert(pid) {
-                        selection.refused.push((pid, comm, reason));
-                    }
-                }
-                Err(_) => {}
-            }
-        }
-        let mut in_cgroups = BTreeSet::new();
-        for cgroup in &self.cgroups {
-            collect_cgroup(&resolve_cgroup(cgroup), &mut in_cgroups)?;
-        }
-        let in_tree = self.tree_of.map(descendants).unwrap_or_default();
-        let mut candidates = in_cgroups.clone();
-        candidates.extend(in_tree.iter().copied());
-        if self.all || self.comm.is_some() {
-            candidates.extend(all_pids());
-        }
-        let wanted = |pid: u32, comm: &str| {
-            self.all
-                || in_cgroups.contains(&pid)
-                || in_tree.contains(&pid)
-                || self.comm.as_ref().is_some_and(|re| re.is_match(comm))
-        };
-        for pid in candidates {
-            if seen.contains(&pid) {
-                continue;
-            }
-            match Process::open(pid) {
-                Ok(process) => {
-                    if wanted(pid, process.comm()) && seen.insert(process.pid()) {
-                        selection.processes.push(process);
-                    }
-                }
-                // Kernel threads are never candidates worth reporting.
-                Err(TargetError::Refused { pid, comm, reason })
-                    if reason != RefusalReason::KernelThread =>
-                {
-                    if wanted(pid, &comm) && seen.insert(pid) {
-                        selection.refused.push((pid, comm, reason));
-                    }
-                }
-                Err(_) => {} // exited or unreadable while we looked
-            }
-        }
-        if let Some(min_age) = self.min_age {
-            selection.processes.retain(|p| p.age() >= min_age);
-        }
-        selection.processes.sort_by_key(Process::pid);
-        Ok(selection)
-    }
-}
-
-fn resolve_cgroup(path: &Path) -> PathBuf {
-    if path.is_absolute() {
-        path.to_path_buf()
-    } else {
-        Path::new(CGROUP_ROOT).join(path)
-    }
-}
-
-/// Adds the pids of `dir` and of every cgroup below it.
-fn collect_cgroup(dir: &Path, pids: &mut BTreeSet<u32>) -> Result<(), SelectionError> {
-    let procs = dir.join("cgroup.procs");
-    let text = fs::read_to_string(&procs).map_err(|source| SelectionError::Cgroup {
-        path: dir.to_path_buf(),
-        source,
-    })?;
-    pids.extend(text.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
-    if let Ok(entries) = fs::read_dir(dir) {
-        for entry in entries.flatten() {
-            if entry.file_type().is_ok_and(|t| t.is_dir()) {
-                // A child that vanished meanwhile is simply not there any more.
-                let _ = collect_cgroup(&entry.path(), pids);
-            }
-        }
-    }
-    Ok(())
-}
-
-/// `root` and every process below it, from the parent pids in /proc/PID/stat.
-fn descendants(root: u32) -> BTreeSet<u32> {
-    let parents: Vec<(u32, u32)> = all_pids()
-        .into_iter()
-        .filter_map(|pid| {
-            let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-            Some((pid, stat_field(&stat, 4)?.parse().ok()?))
-        })
-        .collect();
-    let mut tree = BTreeSet::from([root]);
-    loop {
-        let before = tree.len();
-        tree.extend(
-            parents
-                .iter()
-                .filter(|(_, ppid)| tree.contains(ppid))
-                .map(|&(pid, _)| pid)
-                .collect::<Vec<_>>(),
-        );
-        if tree.len() == before {
-            return tree;
-        }
-    }
-}
-
-/// Every numeric entry of /proc: all processes (thread ids are not listed there).
-fn all_pids() -> Vec<u32> {
-    fs::read_dir("/proc")
-        .map(|entries| {
-            entries
-                .flatten()
-                .filter_map(|e| e.file_name().to_str()?.parse().ok())
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
+/// A pidfd for process `pid`.
+pub fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
     // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1; no memory is passed.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
     if fd < 0 {

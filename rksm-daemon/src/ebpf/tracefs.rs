@@ -140,7 +140,7 @@ pub fn check_layout(fields: &[FormatField]) -> Result<(), TracefsError> {
 /// Parses the `field:` lines of a tracepoint format file; other lines are ignored.
 ///
 /// ```
-/// let fields = rksm::tracefs::parse_format(
+/// let fields = rksm::ebpf::tracefs::parse_format(
 ///     "\tfield:unsigned long address;\toffset:8;\tsize:8;\tsigned:0;\n",
 /// );
 /// assert_eq!(fields[0].name, "address");

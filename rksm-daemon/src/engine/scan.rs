@@ -11,7 +11,7 @@
 //! numbers for that pass.
 
 use std::{
-    collections::{BTreeMap, HashMap, HashSet},
+    collections::{BTreeMap, HashMap},
     time::Instant,
 };
 
@@ -19,12 +19,15 @@ use rksm_common::PAGE_SIZE;
 use serde::Serialize;
 
 use crate::{
-    checksum::{ChecksumKind, NO_CHECKSUM},
-    dirty::{DirtySet, DirtySource},
-    index::{Content, ContentSource, Index, PageRef, Placement, TopContent},
-    procfs::{self, KpageFlags, Pagemap, PagemapEntry, ProcfsError, Vma},
-    reader::{self, ProcMem, ReaderError},
-    targets::Process,
+    engine::checksum::{ChecksumKind, NO_CHECKSUM},
+    engine::index::{Content, ContentSource, Index, PageRef, Placement, TopContent},
+    engine::{
+        dirty::{DirtySet, DirtySource},
+        target::Target,
+    },
+    kernel::procfs::{self, KpageFlags, Pagemap, PagemapEntry, ProcfsError, Vma},
+    kernel::ranges::RangeSet,
+    kernel::reader::{self, ProcMem, ReaderError},
 };
 
 const PAGE: usize = PAGE_SIZE as usize;
@@ -156,13 +159,14 @@ struct VmaState {
     checksums: Vec<u64>,
 }
 
-/// What is remembered about one process between passes.
+/// The checksums of one target's pages at its last pass, VMA by VMA (kept in its
+/// [`Target`] record).
 #[derive(Debug, Default)]
-struct ProcessState {
+pub struct PageState {
     vmas: BTreeMap<u64, VmaState>,
 }
 
-impl ProcessState {
+impl PageState {
     /// The previous checksums for `vma`'s pages: moved over whole if the VMA is unchanged,
     /// copied page by page from overlapping old VMAs if it grew, shrank, split or merged.
     fn take_checksums(&mut self, vma: &Vma) -> Vec<u64> {
@@ -256,21 +260,22 @@ struct Candidate {
 #[derive(Clone, Copy)]
 struct OpenTarget<'a> {
     pid: u32,
+    domain: u32,
     pagemap: &'a Pagemap,
     mem: &'a ProcMem,
     dirty: &'a DirtySet,
+    /// Ranges already marked mergeable: their clean pages need no comparison.
+    settled: &'a RangeSet,
 }
 
-/// Scans targets pass after pass, remembering checksums in between.
+/// Scans targets pass after pass; what it remembers about each target is kept in the
+/// target's record, and only what spans targets (the indexes) is kept here.
 pub struct Scanner {
     config: ScanConfig,
     /// One index per merge domain: pages of different domains are never compared, so they
     /// can never be found duplicates of each other.
     indexes: HashMap<u32, Index>,
-    /// Each process's merge domain (0 unless told otherwise).
-    domains: HashMap<u32, u32>,
     dirty: Box<dyn DirtySource>,
-    states: HashMap<u32, ProcessState>,
     kpageflags: KpageFlags,
     zero_checksum: u64,
     /// Physical pages mapped more than once, seen this pass, with their checksum once known.
@@ -282,8 +287,6 @@ pub struct Scanner {
     merge_candidates: HashMap<u32, Vec<(u64, u64)>>,
     ksm_pages: HashMap<u32, Vec<u64>>,
     ksm_checksums: HashMap<u32, Vec<u64>>,
-    /// Per process, ranges already marked mergeable: their clean pages need no comparison.
-    settled: HashMap<u32, Vec<(u64, u64)>>,
 }
 
 impl Scanner {
@@ -291,11 +294,9 @@ impl Scanner {
     pub fn new(config: ScanConfig, dirty: Box<dyn DirtySource>) -> Result<Self, ProcfsError> {
         Ok(Scanner {
             indexes: HashMap::new(),
-            domains: HashMap::new(),
             zero_checksum: config.checksum.checksum(&[0u8; PAGE]),
             config,
             dirty,
-            states: HashMap::new(),
             kpageflags: KpageFlags::open()?,
             pfns_seen: HashMap::new(),
             batch: vec![0u8; CHUNK_PAGES * PAGE],
@@ -305,8 +306,12 @@ impl Scanner {
             merge_candidates: HashMap::new(),
             ksm_pages: HashMap::new(),
             ksm_checksums: HashMap::new(),
-            settled: HashMap::new(),
         })
+    }
+
+    /// Drops the index of merge domain `domain` (its last target left).
+    pub fn forget_domain(&mut self, domain: u32) {
+        self.indexes.remove(&domain);
     }
 
     /// The dirty source's mode name.
@@ -319,40 +324,21 @@ impl Scanner {
         self.dirty.remote_syscalls()
     }
 
-    /// Puts `pid` in merge domain `domain`: its pages are only ever compared with pages of
-    /// processes in the same domain.
-    pub fn set_domain(&mut self, pid: u32, domain: u32) {
-        self.domains.insert(pid, domain);
-    }
-
-    /// Stops keeping anything for `pid` (it is no longer a target).
-    pub fn forget(&mut self, pid: u32) {
-        self.domains.remove(&pid);
-        self.states.remove(&pid);
-        self.dirty.forget(pid);
-        self.settled.remove(&pid);
-    }
-
-    /// Tells the scanner which ranges of `pid` are already marked mergeable (sorted): their
-    /// clean pages are placed by checksum alone (see [`Content::Settled`]).
-    pub fn set_settled(&mut self, pid: u32, ranges: Vec<(u64, u64)>) {
-        self.settled.insert(pid, ranges);
-    }
-
-    /// Runs one pass over `processes`.
+    /// Runs one pass over `targets`.
     pub fn pass(
         &mut self,
-        processes: &[Process],
+        targets: &mut [Target],
         progress: &mut dyn FnMut(Progress),
     ) -> PassReport {
-        let refs: Vec<&Process> = processes.iter().collect();
-        self.pass_over(&refs, progress)
+        let mut refs: Vec<&mut Target> = targets.iter_mut().collect();
+        self.pass_over(&mut refs, progress)
     }
 
-    /// Runs one pass over `processes` (borrowed from wherever they are kept).
+    /// Runs one pass over `targets` (borrowed from wherever they are kept). What is learnt
+    /// about each target (checksums, arming) goes back into its record.
     pub fn pass_over(
         &mut self,
-        processes: &[&Process],
+        targets: &mut [&mut Target],
         progress: &mut dyn FnMut(Progress),
     ) -> PassReport {
         let started = Instant::now();
@@ -364,19 +350,20 @@ impl Scanner {
         self.live.open.clear();
 
         let mut plans = Vec::new();
-        for &process in processes {
+        for target in targets.iter_mut() {
+            let pid = target.pid();
             // A zombie still has a /proc entry, with no memory: it has exited all the same.
-            if process.has_exited() {
-                report.exited.push(process.pid());
+            if target.process().has_exited() {
+                report.exited.push(pid);
                 continue;
             }
-            match self.vmas_of(process.pid()) {
+            match self.vmas_of(pid) {
                 Ok((vmas, total)) => {
-                    report.vmas.insert(process.pid(), (vmas.clone(), total));
-                    plans.push((process, vmas));
+                    report.vmas.insert(pid, (vmas.clone(), total));
+                    plans.push((&mut **target, vmas));
                 }
-                Err(ProcessScanError::Gone) => report.exited.push(process.pid()),
-                Err(ProcessScanError::Failed(why)) => report.failed.push((process.pid(), why)),
+                Err(ProcessScanError::Gone) => report.exited.push(pid),
+                Err(ProcessScanError::Failed(why)) => report.failed.push((pid, why)),
             }
         }
         let pages_total = plans
@@ -385,21 +372,21 @@ impl Scanner {
             .map(Vma::pages)
             .sum();
         let mut pages_done = 0;
-        for (process, vmas) in plans {
-            let pid = process.pid();
-            match self.scan_process(process, &vmas, &mut |done| {
+        for (target, vmas) in plans {
+            let pid = target.pid();
+            match self.scan_target(target, &vmas, &mut |done| {
                 progress(Progress {
                     pages_done: pages_done + done,
                     pages_total,
                 })
             }) {
                 // Exited while being scanned: what was counted may be missing pages.
-                Ok(_) if process.has_exited() => report.exited.push(pid),
+                Ok(_) if target.process().has_exited() => report.exited.push(pid),
                 Ok(counts) => {
                     report.total.add(&counts);
                     report.processes.push(ProcessCounts {
                         pid,
-                        comm: process.comm().to_string(),
+                        comm: target.process().comm().to_string(),
                         counts,
                     });
                 }
@@ -407,18 +394,6 @@ impl Scanner {
                 Err(ProcessScanError::Failed(why)) => report.failed.push((pid, why)),
             }
             pages_done += vmas.iter().map(Vma::pages).sum::<u64>();
-        }
-        // Forget processes that are no longer targets or no longer exist.
-        let scanned: HashSet<u32> = report.processes.iter().map(|p| p.pid).collect();
-        let stale: Vec<u32> = self
-            .states
-            .keys()
-            .copied()
-            .filter(|pid| !scanned.contains(pid))
-            .collect();
-        for pid in stale {
-            self.states.remove(&pid);
-            self.dirty.forget(pid);
         }
         let mut top: Vec<TopContent> = self.indexes.values().flat_map(|i| i.top(10)).collect();
         top.sort_unstable_by(|a, b| b.copies.cmp(&a.copies).then(a.checksum.cmp(&b.checksum)));
@@ -431,7 +406,6 @@ impl Scanner {
         report
     }
 
-    /// The VMAs of `pid` that this scanner covers.
     /// The VMAs of `pid` that this scanner covers, and the number of VMAs it has in all.
     fn vmas_of(&self, pid: u32) -> Result<(Vec<Vma>, usize), ProcessScanError> {
         let all = procfs::read_maps(pid)?;
@@ -463,32 +437,40 @@ impl Scanner {
         ))
     }
 
-    fn scan_process(
+    fn scan_target(
         &mut self,
-        process: &Process,
+        target: &mut Target,
         vmas: &[Vma],
         progress: &mut dyn FnMut(u64),
     ) -> Result<PageCounts, ProcessScanError> {
-        let pid = process.pid();
-        let dirty = self.dirty.dirty_pages(process, vmas).unwrap_or_else(|e| {
-            log::warn!("{e}; rehashing every page of pid {pid} this pass");
-            DirtySet::All
-        });
+        let pid = target.pid();
+        let (process, state) = target.process_and_dirty();
+        let dirty = self
+            .dirty
+            .dirty_pages(process, state, vmas)
+            .unwrap_or_else(|e| {
+                log::warn!("{e}; rehashing every page of pid {pid} this pass");
+                DirtySet::All
+            });
+        // Whatever fails below, the old checksums are gone with it: every page of a target
+        // whose scan failed is read again next pass.
+        let mut old = std::mem::take(&mut target.pages);
         let pagemap = Pagemap::open(pid)?;
         let mem = ProcMem::open(pid)?;
-        let mut old = self.states.remove(&pid).unwrap_or_default();
-        let mut state = ProcessState::default();
+        let mut state = PageState::default();
         let mut counts = PageCounts::default();
         let mut done = 0;
         for vma in vmas {
             let mut checksums = old.take_checksums(vma);
-            let target = OpenTarget {
+            let open = OpenTarget {
                 pid,
+                domain: target.domain(),
                 pagemap: &pagemap,
                 mem: &mem,
                 dirty: &dirty,
+                settled: &target.marked,
             };
-            let result = self.scan_vma(&target, vma, &mut checksums, &mut counts, &mut |in_vma| {
+            let result = self.scan_vma(&open, vma, &mut checksums, &mut counts, &mut |in_vma| {
                 progress(done + in_vma)
             });
             state.vmas.insert(
@@ -502,7 +484,7 @@ impl Scanner {
             done += vma.pages();
             progress(done);
         }
-        self.states.insert(pid, state);
+        target.pages = state;
         Ok(counts)
     }
 
@@ -516,9 +498,11 @@ impl Scanner {
     ) -> Result<(), ProcessScanError> {
         let OpenTarget {
             pid,
+            domain,
             pagemap,
             mem,
             dirty,
+            settled,
         } = *target;
         let kind = self.config.checksum;
         let mut chunk_start = vma.start;
@@ -624,13 +608,9 @@ impl Scanner {
                     ),
                     Source::Clean => {
                         counts.pages_skipped_clean += 1;
-                        let settled = self.settled.get(&pid).is_some_and(|ranges| {
-                            let i = ranges.partition_point(|r| r.1 <= page.addr);
-                            ranges.get(i).is_some_and(|r| r.0 <= page.addr)
-                        });
                         (
                             previous,
-                            if settled {
+                            if settled.contains(page.addr) {
                                 Content::Settled
                             } else {
                                 Content::Unread
@@ -643,7 +623,6 @@ impl Scanner {
                         Content::Loaded(bytes) => bytes.iter().all(|&b| b == 0),
                         Content::Zero | Content::Unread | Content::Settled => true,
                     };
-                let domain = self.domains.get(&pid).copied().unwrap_or(0);
                 let kind = self.config.checksum;
                 let index = self
                     .indexes
@@ -707,7 +686,7 @@ mod tests {
     #[test]
     fn checksums_follow_vmas_that_grow_shrink_and_split() {
         let p = PAGE_SIZE;
-        let mut state = ProcessState::default();
+        let mut state = PageState::default();
         state.vmas.insert(
             0,
             VmaState {
@@ -723,7 +702,7 @@ mod tests {
             },
         );
         // Unchanged: moved over as is.
-        let mut same = ProcessState::default();
+        let mut same = PageState::default();
         same.vmas.insert(
             0,
             VmaState {

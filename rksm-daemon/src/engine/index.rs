@@ -20,7 +20,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use rksm_common::PAGE_SIZE;
 
-use crate::checksum::{ChecksumKind, PageChecksum};
+use crate::engine::checksum::{ChecksumKind, PageChecksum};
 
 const PAGE: usize = PAGE_SIZE as usize;
 
@@ -547,11 +547,23 @@ mod tests {
         index.begin_pass();
         // First pass: no previous checksum, so nothing enters the unstable tree.
         assert_eq!(
-            place(&mut index, &mut mem, a, sum, crate::checksum::NO_CHECKSUM),
+            place(
+                &mut index,
+                &mut mem,
+                a,
+                sum,
+                crate::engine::checksum::NO_CHECKSUM
+            ),
             Placement::Volatile
         );
         assert_eq!(
-            place(&mut index, &mut mem, b, sum, crate::checksum::NO_CHECKSUM),
+            place(
+                &mut index,
+                &mut mem,
+                b,
+                sum,
+                crate::engine::checksum::NO_CHECKSUM
+            ),
             Placement::Volatile
         );
         assert_eq!(index.classes(), (0, 0));
@@ -662,7 +674,7 @@ mod tests {
                 &mut mem,
                 fresh,
                 sum,
-                crate::checksum::NO_CHECKSUM
+                crate::engine::checksum::NO_CHECKSUM
             ),
             Placement::Duplicate { of: merged }
         );

@@ -6,6 +6,11 @@
 //! little. rksm sets `run`, `pages_to_scan` and `sleep_millisecs` while it runs and puts back
 //! exactly what it found when it stops. It never writes `run=2` (which unmerges everything).
 //! The counters in the same directory are read here too, once.
+//!
+//! Ownership is exclusive: [`KsmdOwner::take`] takes a lock beside the saved settings
+//! (`daemon.lock`) and holds it for as long as it owns ksmd, so the daemon and `rksm bench`,
+//! whichever comes second, are told that someone else owns ksmd instead of mistaking the
+//! other's saved settings for a crash's.
 
 use std::{
     fs, io,
@@ -20,9 +25,15 @@ pub const KSM_SYSFS: &str = "/sys/kernel/mm/ksm";
 /// can still put them back.
 pub const STATE_PATH: &str = "/run/rksm/ksmd-settings";
 
+/// The lock file, in the saved settings' directory.
+pub const LOCK_NAME: &str = "daemon.lock";
+
 /// Errors with ksmd's sysfs files.
 #[derive(Debug, thiserror::Error)]
 pub enum KsmdError {
+    /// Another rksm (a daemon, or a bench) owns ksmd.
+    #[error("another rksm owns ksmd (it holds {0}); two would fight over ksmd's settings")]
+    Busy(PathBuf),
     /// No KSM in this kernel.
     #[error("KSM is not available on this kernel ({0} is missing); rksm cannot merge here, but `rksm estimate` still works")]
     Absent(PathBuf),
@@ -125,6 +136,25 @@ fn write_settings(root: &Path, s: KsmdSettings) -> Result<(), KsmdError> {
     write_number(&root.join("run"), u64::from(s.run == 1))
 }
 
+/// Takes the one-owner lock in `state`'s directory, or says who holds it.
+fn lock(state: &Path) -> Result<nix::fcntl::Flock<fs::File>, KsmdError> {
+    let dir = state.parent().unwrap_or(Path::new("."));
+    let path = dir.join(LOCK_NAME);
+    let io_err = |source| KsmdError::Io {
+        path: path.clone(),
+        source,
+    };
+    fs::create_dir_all(dir).map_err(io_err)?;
+    let file = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(io_err)?;
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock)
+        .map_err(|_| KsmdError::Busy(path.clone()))
+}
+
 /// ksmd's settings, owned: set on [`KsmdOwner::take`], restored on drop.
 #[derive(Debug)]
 pub struct KsmdOwner {
@@ -135,6 +165,8 @@ pub struct KsmdOwner {
     restored: bool,
     /// The `run` value someone else wrote while rksm owned ksmd, if anyone did.
     taken_back: Option<u64>,
+    /// The lock that makes this the only owner; released when dropped, after restoring.
+    _lock: nix::fcntl::Flock<fs::File>,
 }
 
 impl KsmdOwner {
@@ -142,6 +174,7 @@ impl KsmdOwner {
     /// `state` exists, an earlier owner died without restoring: the settings it saved are the
     /// ones to put back, not the ones it left in force.
     pub fn take(root: &Path, state: &Path, wanted: KsmdSettings) -> Result<Self, KsmdError> {
+        let lock = lock(state)?;
         let in_force = read_settings(root)?;
         // Find out whether ksmd can be controlled at all before recording anything: writing
         // the sleep it already has changes nothing (unlike `run`, where 2 would unmerge again).
@@ -173,6 +206,7 @@ impl KsmdOwner {
             current: in_force,
             restored: false,
             taken_back: None,
+            _lock: lock,
         };
         owner.set(wanted)?;
         Ok(owner)
@@ -180,6 +214,7 @@ impl KsmdOwner {
 
     /// Puts back settings a dead owner left in `state`, if any; returns whether it did.
     pub fn recover(root: &Path, state: &Path) -> Result<bool, KsmdError> {
+        let _lock = lock(state)?;
         let Some(left) = read_state(state) else {
             return Ok(false);
         };
@@ -329,6 +364,30 @@ mod tests {
         read_settings(dir).unwrap()
     }
 
+    impl KsmdOwner {
+        /// What a SIGKILL does to an owner: nothing restored, the lock released by the kernel.
+        fn die(mut self) {
+            self.restored = true;
+        }
+    }
+
+    #[test]
+    fn only_one_owner_at_a_time() {
+        let dir = fake_sysfs("busy", 0, 100, 20);
+        let first = KsmdOwner::take(&dir, &state(&dir), pace(10, 1.0, 20)).unwrap();
+        let err = KsmdOwner::take(&dir, &state(&dir), pace(10, 1.0, 20)).unwrap_err();
+        assert!(matches!(err, KsmdError::Busy(_)), "{err}");
+        assert!(
+            KsmdOwner::recover(&dir, &state(&dir)).is_err(),
+            "nor recover"
+        );
+        assert_eq!(on_disk(&dir).run, 1, "the first owner's settings stand");
+        first.restore().unwrap();
+        let second = KsmdOwner::take(&dir, &state(&dir), pace(10, 1.0, 20)).unwrap();
+        second.restore().unwrap();
+        fs::remove_dir_all(dir).unwrap();
+    }
+
     fn state(dir: &Path) -> PathBuf {
         dir.join("saved-by-rksm")
     }
@@ -338,7 +397,7 @@ mod tests {
         let dir = fake_sysfs("dead", 0, 100, 20);
         let first = KsmdOwner::take(&dir, &state(&dir), pace(50_000, 1.0, 20)).unwrap();
         assert!(state(&dir).exists());
-        std::mem::forget(first); // killed: nothing restored
+        first.die();
         assert_eq!(on_disk(&dir).run, 1);
         let second = KsmdOwner::take(&dir, &state(&dir), pace(10, 1.0, 20)).unwrap();
         assert_eq!(
@@ -369,7 +428,9 @@ mod tests {
             !KsmdOwner::recover(&dir, &state(&dir)).unwrap(),
             "nothing to recover"
         );
-        std::mem::forget(KsmdOwner::take(&dir, &state(&dir), pace(1, 1.0, 7)).unwrap());
+        KsmdOwner::take(&dir, &state(&dir), pace(1, 1.0, 7))
+            .unwrap()
+            .die();
         assert_eq!(on_disk(&dir).sleep_millisecs, 7);
         assert!(KsmdOwner::recover(&dir, &state(&dir)).unwrap());
         assert_eq!(

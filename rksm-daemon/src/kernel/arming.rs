@@ -24,9 +24,10 @@ use std::{
 use rksm_common::PAGE_SIZE;
 
 use crate::{
-    procfs::Vma,
-    remote::{nr, RemoteError, RemoteSession},
-    targets::Process,
+    kernel::process::Process,
+    kernel::procfs::Vma,
+    kernel::ranges::{Range, RangeSet},
+    kernel::remote::{nr, RemoteError, RemoteSession},
 };
 
 const UFFD_API: u64 = 0xAA;
@@ -138,10 +139,10 @@ pub struct Armed {
     pid: u32,
     uffd: OwnedFd,
     pagemap: File,
-    /// Ranges registered for write protection, sorted.
-    registered: Vec<(u64, u64)>,
+    /// Ranges registered for write protection.
+    registered: RangeSet,
     /// Ranges that refused registration (the target's own userfaultfd): never armed.
-    refused: Vec<(u64, u64)>,
+    refused: RangeSet,
 }
 
 impl Armed {
@@ -202,8 +203,8 @@ impl Armed {
             pid,
             uffd,
             pagemap,
-            registered: Vec::new(),
-            refused: Vec::new(),
+            registered: RangeSet::default(),
+            refused: RangeSet::default(),
         })
     }
 
@@ -212,11 +213,10 @@ impl Armed {
     /// clipped to the VMAs that exist now; a VMA unmapped and mapped again at the same place
     /// is caught by [`Armed::protect`], which then drops it so it is registered again.
     pub fn register(&mut self, vmas: &[Vma]) {
-        self.registered = clip(&self.registered, vmas);
-        self.refused = clip(&self.refused, vmas);
+        self.registered = self.registered.clip_to(vmas);
+        self.refused = self.refused.clip_to(vmas);
         for vma in vmas {
-            if covers(&self.registered, vma.start, vma.end)
-                || covers(&self.refused, vma.start, vma.end)
+            if self.registered.covers(vma.start, vma.end) || self.refused.covers(vma.start, vma.end)
             {
                 continue;
             }
@@ -228,7 +228,7 @@ impl Armed {
             };
             // SAFETY: a valid uffd and a properly laid out uffdio_register.
             match unsafe { uffdio_register(self.uffd.as_raw_fd(), &mut reg) } {
-                Ok(_) => add(&mut self.registered, (vma.start, vma.end)),
+                Ok(_) => self.registered.insert(Range::new(vma.start, vma.end)),
                 Err(errno) => {
                     log::debug!(
                         "pid {}: cannot arm {:#x}-{:#x}: {errno}",
@@ -236,14 +236,14 @@ impl Armed {
                         vma.start,
                         vma.end
                     );
-                    add(&mut self.refused, (vma.start, vma.end));
+                    self.refused.insert(Range::new(vma.start, vma.end));
                 }
             }
         }
     }
 
     /// Ranges whose pages are write-protected after [`Armed::protect`].
-    pub fn armed_ranges(&self) -> &[(u64, u64)] {
+    pub fn armed_ranges(&self) -> &RangeSet {
         &self.registered
     }
 
@@ -254,7 +254,7 @@ impl Armed {
         let mut written = HashSet::new();
         let mut failed = Vec::new();
         let mut regions = vec![PageRegion::default(); 512];
-        for &(start, end) in &self.registered {
+        for &Range { start, end } in self.registered.as_slice() {
             let mut from = start;
             while from < end {
                 let mut arg = PmScanArg {
@@ -287,104 +287,20 @@ impl Armed {
                             "pid {}: PAGEMAP_SCAN {start:#x}-{end:#x}: {errno}",
                             self.pid
                         );
-                        failed.push((start, end));
+                        failed.push(Range::new(start, end));
                         break;
                     }
                 }
             }
         }
-        for range in failed {
-            self.registered = subtract(&self.registered, range);
-        }
+        self.registered.remove(&failed);
         written
     }
-}
-
-/// The parts of `ranges` (sorted, disjoint) inside some VMA.
-fn clip(ranges: &[(u64, u64)], vmas: &[Vma]) -> Vec<(u64, u64)> {
-    let mut out = Vec::new();
-    for &(s, e) in ranges {
-        for vma in vmas {
-            let (from, to) = (s.max(vma.start), e.min(vma.end));
-            if from < to {
-                add(&mut out, (from, to));
-            }
-        }
-    }
-    out
-}
-
-/// Whether `ranges` (sorted, disjoint, adjacent ones merged) cover `start..end` entirely.
-fn covers(ranges: &[(u64, u64)], start: u64, end: u64) -> bool {
-    ranges.iter().any(|&(s, e)| s <= start && end <= e)
-}
-
-/// Adds `range` to `ranges`, keeping them sorted and merging overlapping or adjacent ones.
-fn add(ranges: &mut Vec<(u64, u64)>, range: (u64, u64)) {
-    ranges.push(range);
-    ranges.sort_unstable();
-    let mut merged: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
-    for &(s, e) in ranges.iter() {
-        match merged.last_mut() {
-            Some(last) if s <= last.1 => last.1 = last.1.max(e),
-            _ => merged.push((s, e)),
-        }
-    }
-    *ranges = merged;
-}
-
-/// `ranges` without `cut`.
-fn subtract(ranges: &[(u64, u64)], cut: (u64, u64)) -> Vec<(u64, u64)> {
-    let mut out = Vec::new();
-    for &(s, e) in ranges {
-        if e <= cut.0 || s >= cut.1 {
-            out.push((s, e));
-            continue;
-        }
-        if s < cut.0 {
-            out.push((s, cut.0));
-        }
-        if cut.1 < e {
-            out.push((cut.1, e));
-        }
-    }
-    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn coverage_survives_splits_and_follows_unmaps() {
-        let mut ranges = Vec::new();
-        add(&mut ranges, (0x1000, 0x9000));
-        // The VMA was split in three by a mergeable run: still covered.
-        let split = [
-            Vma::anonymous(0x1000, 0x3000),
-            Vma::anonymous(0x3000, 0x5000),
-            Vma::anonymous(0x5000, 0x9000),
-        ];
-        assert!(split
-            .iter()
-            .all(|v| covers(&clip(&ranges, &split), v.start, v.end)));
-        // The middle was unmapped: coverage shrinks with it, a new VMA there is not covered.
-        let clipped = clip(
-            &ranges,
-            &[
-                Vma::anonymous(0x1000, 0x3000),
-                Vma::anonymous(0x5000, 0x9000),
-            ],
-        );
-        assert_eq!(clipped, [(0x1000, 0x3000), (0x5000, 0x9000)]);
-        assert!(!covers(&clipped, 0x3000, 0x5000));
-        assert_eq!(
-            subtract(&clipped, (0x6000, 0x7000)),
-            [(0x1000, 0x3000), (0x5000, 0x6000), (0x7000, 0x9000)]
-        );
-        add(&mut ranges, (0x9000, 0xa000));
-        assert_eq!(ranges, [(0x1000, 0xa000)], "adjacent ranges merge");
-    }
 
     #[test]
     fn this_kernel_has_asynchronous_write_protection() {

@@ -18,9 +18,10 @@ use std::{
 use serde::Serialize;
 
 use crate::{
-    ksmd::{self, KsmdOwner, KsmdSettings},
-    procfs,
-    workload::{Profile, WorkloadProcess},
+    kernel::ksmd::{self, KsmdOwner, KsmdSettings},
+    kernel::procfs,
+    service::status,
+    tools::workload::{Profile, WorkloadProcess},
 };
 
 /// One configuration of the comparison.
@@ -136,7 +137,7 @@ fn ksm_counter(name: &str) -> u64 {
 /// Lets ksmd forget the previous run's workloads before the next one is measured: ksmd only
 /// drops an exited process's pages from its counters when it next scans, so it is run fast
 /// until pages_shared and pages_sharing stop moving (at most 30 s).
-pub fn settle() {
+pub fn settle() -> Result<(), String> {
     let owner = KsmdOwner::take(
         Path::new(ksmd::KSM_SYSFS),
         Path::new(ksmd::STATE_PATH),
@@ -145,7 +146,8 @@ pub fn settle() {
             pages_to_scan: 10_000,
             sleep_millisecs: 10,
         },
-    );
+    )
+    .map_err(|e| e.to_string())?;
     let reading = || (ksm_counter("pages_shared"), ksm_counter("pages_sharing"));
     let deadline = Instant::now() + Duration::from_secs(30);
     let (mut last, mut still) = (reading(), 0);
@@ -157,6 +159,7 @@ pub fn settle() {
         last = now;
     }
     drop(owner);
+    Ok(())
 }
 
 /// Runs one configuration once.
@@ -168,7 +171,7 @@ pub fn run_once(
 ) -> Result<RunResult, String> {
     let n = plan.profile.processes;
     let mergeable = matches!(config, Config::Ksmd | Config::KsmdTuned);
-    settle();
+    settle()?;
     let mut workloads = (0..n)
         .map(|i| WorkloadProcess::start(&plan.rksm, profile_arg, i, mergeable))
         .collect::<Result<Vec<_>, _>>()
@@ -188,6 +191,7 @@ pub fn run_once(
             + plan.profile.unique_mib
             + plan.profile.volatile_mib
             + plan.profile.fork_mib);
+    let socket = std::env::temp_dir().join(format!("rksm-bench-{}.sock", std::process::id()));
     let (owner, mut daemon) = match config {
         Config::Ksmd => (
             Some(
@@ -217,8 +221,11 @@ pub fn run_once(
         ),
         Config::Rksm(mode) => {
             let mut cmd = Command::new(&plan.rksm);
+            // Only what is on this command line counts: not the host's configuration file,
+            // nor the status socket of a daemon the host runs.
+            cmd.args(["--no-config", "--log-level", "warn"]);
+            cmd.arg("daemon").arg("--socket").arg(&socket);
             cmd.args([
-                "daemon",
                 "--dirty",
                 mode,
                 "--checksum",
@@ -240,6 +247,8 @@ pub fn run_once(
     };
     let started = Instant::now();
     let mut samples = Vec::new();
+    // Pages hashed by each pass, from the daemon's status (its last pass), not its logs.
+    let mut hashed_per_pass: Vec<(u64, u64)> = Vec::new();
     let daemon_pid = daemon.as_ref().map(Child::id);
     let mut last_rksm_cpu = 0.0;
     let target = 0.9 * achievable as f64;
@@ -261,6 +270,14 @@ pub fn run_once(
         if let Some(cpu) = daemon_pid.and_then(cpu_seconds) {
             last_rksm_cpu = cpu;
         }
+        if daemon_pid.is_some() {
+            let last = status::query(&socket).ok().and_then(|s| s.last_pass);
+            if let Some(pass) = last {
+                if hashed_per_pass.last().is_none_or(|&(n, _)| n < pass.number) {
+                    hashed_per_pass.push((pass.number, pass.pages_hashed));
+                }
+            }
+        }
         samples.push(Sample {
             t: started.elapsed().as_secs_f64(),
             pages_sharing: ksm_counter("pages_sharing").saturating_sub(base_sharing),
@@ -268,9 +285,8 @@ pub fn run_once(
             ksmd_cpu: cpu_seconds(ksmd).unwrap_or(0.0) - ksmd_cpu0,
         });
     }
-    // rksm stops by itself at --duration; its JSON and per-pass log lines tell the rest.
+    // rksm stops by itself at --duration; its JSON tells the rest.
     let mut rksm_stats = None;
-    let mut hashed_per_pass = Vec::new();
     if let Some(child) = daemon.take() {
         let output = child
             .wait_with_output()
@@ -285,17 +301,6 @@ pub fn run_once(
             ));
         }
         rksm_stats = serde_json::from_slice::<serde_json::Value>(&output.stdout).ok();
-        hashed_per_pass = String::from_utf8_lossy(&output.stderr)
-            .lines()
-            .filter_map(|l| {
-                l.split(" hashed ")
-                    .nth(1)?
-                    .split_whitespace()
-                    .next()?
-                    .parse::<u64>()
-                    .ok()
-            })
-            .collect();
     }
     let ksmd_cpu = cpu_seconds(ksmd).unwrap_or(0.0) - ksmd_cpu0;
     let pages_unshared = ksm_counter("pages_unshared");
@@ -314,7 +319,9 @@ pub fn run_once(
             hashed_per_pass
                 .get(hashed_per_pass.len() / 2..)
                 .unwrap_or(&[])
-                .to_vec(),
+                .iter()
+                .map(|&(_, hashed)| hashed)
+                .collect(),
         ),
         _ => (ksm_counter("pages_scanned") - base_scanned)
             .checked_div(ksm_counter("full_scans") - base_scans)

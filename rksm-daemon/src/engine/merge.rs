@@ -1,7 +1,7 @@
 //! The merge executor: turns verified duplicates into `MADV_MERGEABLE` runs inside targets.
 //!
 //! No system call merges two given pages, so rksm marks exactly the verified duplicates (both
-//! the kept copy and the copies) mergeable from inside each target (see [`crate::remote`]),
+//! the kept copy and the copies) mergeable from inside each target (see [`crate::kernel::remote`]),
 //! and ksmd, which only ever sees the marked set, does the merging. Marking is per VMA range,
 //! and every marked range can split a VMA in three, so marking page by page could push a
 //! process towards `vm.max_map_count` (65530 by default) and make its next mmap fail. The
@@ -16,29 +16,20 @@ use std::collections::HashMap;
 use rksm_common::PAGE_SIZE;
 
 use crate::{
-    procfs::Vma,
-    remote::{nr, RemoteError, RemoteSession},
-    targets::Process,
+    engine::target::Target,
+    kernel::{
+        process::Process,
+        procfs::Vma,
+        ranges::{Range, RangeSet},
+        remote::{nr, RemoteError, RemoteSession},
+    },
 };
 
 const MADV_MERGEABLE: u64 = 12;
 const MADV_UNMERGEABLE: u64 = 13;
 
-/// A range of whole pages, `start..end`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub struct Run {
-    /// First address.
-    pub start: u64,
-    /// One past the last address.
-    pub end: u64,
-}
-
-impl Run {
-    /// Pages in the run.
-    pub fn pages(&self) -> u64 {
-        (self.end - self.start) / PAGE_SIZE
-    }
-}
+/// A run of pages to mark: an address range.
+pub type Run = Range;
 
 /// How marking is bounded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,7 +60,7 @@ impl Default for MergePolicy {
 /// within `max_runs`.
 ///
 /// ```
-/// use rksm::{merge::{coalesce, Run}, procfs::Vma};
+/// use rksm::{engine::merge::{coalesce, Run}, kernel::procfs::Vma};
 /// let vma = Vma::anonymous(0x10000, 0x20000);
 /// let runs = coalesce(&[0x10000, 0x11000, 0x14000, 0x1f000], &[vma], 1, 10);
 /// assert_eq!(runs, [Run { start: 0x10000, end: 0x12000 }, Run { start: 0x14000, end: 0x15000 }, Run { start: 0x1f000, end: 0x20000 }]);
@@ -108,47 +99,6 @@ fn coalesce_with_gap(sorted: &[u64], vmas: &[Vma], gap_pages: u64) -> Vec<Run> {
     runs
 }
 
-/// Removes from `runs` what is already covered by `marked` (both sorted, non-overlapping).
-fn subtract(runs: &[Run], marked: &[Run]) -> Vec<Run> {
-    let mut out = Vec::new();
-    for run in runs {
-        let mut start = run.start;
-        for m in marked
-            .iter()
-            .filter(|m| m.end > run.start && m.start < run.end)
-        {
-            if m.start > start {
-                out.push(Run {
-                    start,
-                    end: m.start,
-                });
-            }
-            start = start.max(m.end);
-        }
-        if start < run.end {
-            out.push(Run {
-                start,
-                end: run.end,
-            });
-        }
-    }
-    out
-}
-
-/// Adds `new` to the sorted, merged set `marked`.
-fn union(marked: &mut Vec<Run>, new: &[Run]) {
-    marked.extend_from_slice(new);
-    marked.sort_unstable();
-    let mut merged: Vec<Run> = Vec::with_capacity(marked.len());
-    for run in marked.drain(..) {
-        match merged.last_mut() {
-            Some(last) if run.start <= last.end => last.end = last.end.max(run.end),
-            _ => merged.push(run),
-        }
-    }
-    *marked = merged;
-}
-
 /// What marking did in one process.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct MarkOutcome {
@@ -160,29 +110,26 @@ pub struct MarkOutcome {
     pub remote_syscalls: u64,
 }
 
-/// Remembers what is marked in each process and marks more.
+/// Plans and marks runs; what is marked in a target is kept in its record.
 #[derive(Debug, Default)]
 pub struct Marker {
     policy: MergePolicy,
-    marked: HashMap<u32, Vec<Run>>,
 }
 
 impl Marker {
     /// A marker following `policy`.
     pub fn new(policy: MergePolicy) -> Self {
-        Marker {
-            policy,
-            marked: HashMap::new(),
-        }
+        Marker { policy }
     }
 
-    /// The runs to mark in `pid` for `pages`, leaving out what is marked already, within the
-    /// process's budget; `vma_count` is how many VMAs it has in all. Without `allow_gaps` a
-    /// run holds only the given pages (other pages could hold another merge domain's
+    /// The runs to mark in `pid` for `pages`, leaving out what is `marked` already, within
+    /// the process's budget; `vma_count` is how many VMAs it has in all. Without `allow_gaps`
+    /// a run holds only the given pages (other pages could hold another merge domain's
     /// contents), and runs over the budget wait for a later pass.
     pub fn plan(
         &self,
         pid: u32,
+        marked: &RangeSet,
         pages: &[u64],
         vmas: &[Vma],
         vma_count: usize,
@@ -194,100 +141,105 @@ impl Marker {
             log::warn!("pid {pid} has {vma_count} VMAs; not splitting more of them");
             return Vec::new();
         }
-        let marked = self.marked.get(&pid).map_or(&[][..], Vec::as_slice);
         if !allow_gaps {
             let mut sorted = pages.to_vec();
             sorted.sort_unstable();
             sorted.dedup();
-            let mut runs = subtract(&coalesce_with_gap(&sorted, vmas, 0), marked);
+            let mut runs = marked.minus(&coalesce_with_gap(&sorted, vmas, 0));
             runs.truncate(max_runs);
             return runs;
         }
-        subtract(
-            &coalesce(pages, vmas, self.policy.max_gap_pages, max_runs),
-            marked,
-        )
+        marked.minus(&coalesce(pages, vmas, self.policy.max_gap_pages, max_runs))
     }
 
-    /// Marks `runs` mergeable inside `process`, in one stop of one thread.
-    pub fn mark(&mut self, process: &Process, runs: &[Run]) -> Result<MarkOutcome, RemoteError> {
-        self.advise(process, runs, MADV_MERGEABLE)
-    }
-
-    /// Marks `runs` unmergeable again (ksmd unmerges what it merged there).
-    pub fn unmark(&mut self, process: &Process, runs: &[Run]) -> Result<MarkOutcome, RemoteError> {
-        self.advise(process, runs, MADV_UNMERGEABLE)
-    }
-
-    fn advise(
-        &mut self,
-        process: &Process,
-        runs: &[Run],
-        advice: u64,
-    ) -> Result<MarkOutcome, RemoteError> {
-        let mut outcome = MarkOutcome::default();
-        if runs.is_empty() {
-            return Ok(outcome);
-        }
-        let mut session = RemoteSession::begin(process)?;
-        let mut done = Vec::with_capacity(runs.len());
-        for run in runs {
-            let result = session.syscall(nr::MADVISE, &[run.start, run.end - run.start, advice])?;
-            if result == 0 {
-                done.push(*run);
-                outcome.runs += 1;
-                outcome.pages += run.pages();
-            } else {
-                // The range changed since the scan (unmapped, remapped): skip it.
-                log::debug!(
-                    "pid {}: madvise({:#x}, {}) returned {result}",
-                    process.pid(),
-                    run.start,
-                    run.end - run.start
-                );
-            }
-        }
-        outcome.remote_syscalls = session.finish()?;
-        let marked = self.marked.entry(process.pid()).or_default();
-        if advice == MADV_MERGEABLE {
-            union(marked, &done);
-        } else {
-            *marked = subtract(marked, &done);
-        }
+    /// Marks `runs` mergeable inside `target`, in one stop of one thread.
+    pub fn mark(&self, target: &mut Target, runs: &[Run]) -> Result<MarkOutcome, RemoteError> {
+        let (outcome, done) = advise(target.process(), runs, MADV_MERGEABLE)?;
+        target.marked.union(&done);
         Ok(outcome)
     }
 
-    /// The runs marked in `pid` that overlap `start..end`.
-    pub fn marked_within(&self, pid: u32, start: u64, end: u64) -> Vec<Run> {
-        self.marked
-            .get(&pid)
-            .map(|runs| {
-                runs.iter()
-                    .filter(|r| r.end > start && r.start < end)
-                    .copied()
-                    .collect()
-            })
-            .unwrap_or_default()
+    /// Marks `runs` unmergeable again in `target` (ksmd unmerges what it merged there).
+    pub fn unmark(&self, target: &mut Target, runs: &[Run]) -> Result<MarkOutcome, RemoteError> {
+        let (outcome, done) = advise(target.process(), runs, MADV_UNMERGEABLE)?;
+        target.marked.remove(&done);
+        Ok(outcome)
+    }
+}
+
+/// `madvise(advice)` over each run inside `process`; returns what the kernel accepted.
+fn advise(
+    process: &Process,
+    runs: &[Run],
+    advice: u64,
+) -> Result<(MarkOutcome, Vec<Run>), RemoteError> {
+    let mut outcome = MarkOutcome::default();
+    if runs.is_empty() {
+        return Ok((outcome, Vec::new()));
+    }
+    let mut session = RemoteSession::begin(process)?;
+    let mut done = Vec::with_capacity(runs.len());
+    for run in runs {
+        let result = session.syscall(nr::MADVISE, &[run.start, run.end - run.start, advice])?;
+        if result == 0 {
+            done.push(*run);
+            outcome.runs += 1;
+            outcome.pages += run.pages();
+        } else {
+            // The range changed since the scan (unmapped, remapped): skip it.
+            log::debug!(
+                "pid {}: madvise({:#x}, {}) returned {result}",
+                process.pid(),
+                run.start,
+                run.end - run.start
+            );
+        }
+    }
+    outcome.remote_syscalls = session.finish()?;
+    Ok((outcome, done))
+}
+
+/// Per-region copy-on-write back-off: a 2 MiB region whose merged pages broke is not marked
+/// again for a while, and the while doubles each time it happens again.
+#[derive(Debug, Default)]
+pub struct Backoff {
+    /// Region number → (backed off until pass, length of the last back-off).
+    regions: HashMap<u64, (u64, u64)>,
+}
+
+/// Back-off regions are 2 MiB.
+pub const REGION_SHIFT: u32 = 21;
+const FIRST_BACKOFF_PASSES: u64 = 4;
+const MAX_BACKOFF_PASSES: u64 = 256;
+
+impl Backoff {
+    /// Backs `region` off from pass `now`; returns true if it was not already.
+    pub fn hit(&mut self, region: u64, now: u64) -> bool {
+        let entry = self
+            .regions
+            .entry(region)
+            .or_insert((0, FIRST_BACKOFF_PASSES / 2));
+        let fresh = entry.0 <= now;
+        if fresh {
+            entry.1 = (entry.1 * 2).min(MAX_BACKOFF_PASSES);
+            entry.0 = now + entry.1;
+        }
+        fresh
     }
 
-    /// The ranges marked in `pid`, sorted.
-    pub fn marked(&self, pid: u32) -> Vec<(u64, u64)> {
-        self.marked
-            .get(&pid)
-            .map(|runs| runs.iter().map(|r| (r.start, r.end)).collect())
-            .unwrap_or_default()
+    /// Whether `page` is in a region backed off at pass `now`.
+    pub fn blocks(&self, page: u64, now: u64) -> bool {
+        self.regions
+            .get(&(page >> REGION_SHIFT))
+            .is_some_and(|&(until, _)| until > now)
     }
 
-    /// Pages marked in `pid`.
-    pub fn marked_pages(&self, pid: u32) -> u64 {
-        self.marked
-            .get(&pid)
-            .map_or(0, |runs| runs.iter().map(Run::pages).sum())
-    }
-
-    /// Forgets `pid` (it exited).
-    pub fn forget(&mut self, pid: u32) {
-        self.marked.remove(&pid);
+    /// Regions backed off at pass `now`.
+    pub fn active(&self, now: u64) -> u64 {
+        self.regions
+            .values()
+            .filter(|&&(until, _)| until > now)
+            .count() as u64
     }
 }
 
@@ -343,53 +295,23 @@ mod tests {
     }
 
     #[test]
-    fn marked_ranges_are_not_marked_again() {
-        let marked = [
-            Run {
-                start: 2 * P,
-                end: 4 * P,
-            },
-            Run {
-                start: 6 * P,
-                end: 7 * P,
-            },
-        ];
-        let runs = [Run {
-            start: 0,
-            end: 10 * P,
-        }];
-        assert_eq!(
-            subtract(&runs, &marked),
-            [
-                Run {
-                    start: 0,
-                    end: 2 * P
-                },
-                Run {
-                    start: 4 * P,
-                    end: 6 * P
-                },
-                Run {
-                    start: 7 * P,
-                    end: 10 * P
-                }
-            ]
+    fn backoff_grows_and_expires() {
+        let mut backoff = Backoff::default();
+        assert!(backoff.hit(7, 0));
+        assert!(backoff.blocks(7 << REGION_SHIFT, 3));
+        assert!(
+            !backoff.blocks(7 << REGION_SHIFT, 4),
+            "first backoff is {FIRST_BACKOFF_PASSES} passes"
         );
-        let mut set = marked.to_vec();
-        union(
-            &mut set,
-            &[Run {
-                start: 4 * P,
-                end: 6 * P,
-            }],
+        assert!(!backoff.hit(7, 2), "already backed off");
+        assert!(backoff.hit(7, 10));
+        assert!(
+            backoff.blocks(7 << REGION_SHIFT, 17),
+            "second is twice as long"
         );
-        assert_eq!(
-            set,
-            [Run {
-                start: 2 * P,
-                end: 7 * P
-            }]
-        );
+        assert!(!backoff.blocks(7 << REGION_SHIFT, 18));
+        assert!(!backoff.blocks(8 << REGION_SHIFT, 11), "per region");
+        assert_eq!(backoff.active(11), 1);
     }
 
     #[test]
@@ -401,7 +323,7 @@ mod tests {
         });
         let vmas = [Vma::anonymous(0, 100 * P)];
         let pages = [0, P, 3 * P, 6 * P, 9 * P];
-        let runs = marker.plan(1, &pages, &vmas, 10, false);
+        let runs = marker.plan(1, &RangeSet::default(), &pages, &vmas, 10, false);
         assert_eq!(
             runs,
             [
@@ -420,7 +342,7 @@ mod tests {
             ]
         );
         assert_eq!(
-            marker.plan(1, &pages, &vmas, 10, true),
+            marker.plan(1, &RangeSet::default(), &pages, &vmas, 10, true),
             [Run {
                 start: 0,
                 end: 10 * P
@@ -439,11 +361,13 @@ mod tests {
         let vmas = [Vma::anonymous(0, 100 * P)];
         let pages: Vec<u64> = (0..50).map(|i| i * 2 * P).collect();
         assert_eq!(
-            marker.plan(1, &pages, &vmas, 499, true).len(),
+            marker
+                .plan(1, &RangeSet::default(), &pages, &vmas, 499, true)
+                .len(),
             0,
             "at half of max_map_count"
         );
-        let runs = marker.plan(1, &pages, &vmas, 480, true);
+        let runs = marker.plan(1, &RangeSet::default(), &pages, &vmas, 480, true);
         assert!(
             (1..=10).contains(&runs.len()),
             "(500 - 480) / 2 runs left: {runs:?}"

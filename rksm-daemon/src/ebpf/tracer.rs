@@ -21,7 +21,7 @@ use rksm_common::{
     names, tracepoint, TracerCounters, TrackedProcess, WriteRecord, DEFAULT_RING_BYTES, PAGE_SIZE,
 };
 
-use crate::tracefs::{self, TracefsError};
+use crate::ebpf::tracefs::{self, TracefsError};
 
 /// The eBPF object built by `cargo xtask build` (empty if this binary was built without it).
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/rksm.bpf.o"));
@@ -74,8 +74,7 @@ pub enum TracerError {
 }
 
 fn privilege_hint() -> &'static str {
-    // SAFETY: geteuid has no arguments and cannot fail.
-    if unsafe { libc::geteuid() } == 0 {
+    if nix::unistd::geteuid().is_root() {
         ""
     } else {
         " (rksm must run as root, or with CAP_BPF and CAP_PERFMON)"

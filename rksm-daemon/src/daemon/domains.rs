@@ -1,0 +1,156 @@
+//! Merge domains: which targets may share merged pages, and which domain owns a content.
+//!
+//! ksmd merges any two mergeable pages with equal bytes, so rksm keeps domains apart by what
+//! it marks: a content (by checksum) is marked in one domain only, the first to mark it, and
+//! never in another. Domains and content ownership are counted by the targets that hold them
+//! and go when the last of those targets goes, so nothing here outlives the processes it is
+//! about. A checksum collision only makes ownership stricter.
+
+use std::collections::{hash_map::Entry, HashMap, HashSet};
+
+/// Which processes may share merged pages with each other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum DomainPolicy {
+    /// Processes of the same user (real uid).
+    #[default]
+    Uid,
+    /// Processes of the same cgroup.
+    Cgroup,
+    /// All targets.
+    None,
+}
+
+crate::value_enum_text!(DomainPolicy => "merge domain");
+
+impl DomainPolicy {
+    /// The name of the domain `pid` belongs to (None if /proc no longer says).
+    pub fn domain_of(self, pid: u32) -> Option<String> {
+        match self {
+            DomainPolicy::None => Some("all".into()),
+            DomainPolicy::Uid => {
+                let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+                let uid = status
+                    .lines()
+                    .find_map(|l| l.strip_prefix("Uid:"))?
+                    .split_whitespace()
+                    .next()?;
+                Some(format!("uid {uid}"))
+            }
+            DomainPolicy::Cgroup => {
+                // The whole membership list: v2's single line, or every v1 hierarchy's.
+                let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+                Some(format!("cgroup {}", cgroups.trim().replace('\n', ";")))
+            }
+        }
+    }
+}
+
+/// The domains in use, numbered, and which domain owns each marked content.
+#[derive(Debug, Default)]
+pub struct Domains {
+    /// Domain name → (number, targets in it).
+    ids: HashMap<String, (u32, usize)>,
+    next: u32,
+    /// Content checksum → (owning domain, targets that claimed it).
+    owners: HashMap<u64, (u32, usize)>,
+}
+
+impl Domains {
+    /// A target joins domain `name`; returns its number.
+    pub fn join(&mut self, name: &str) -> u32 {
+        let next = &mut self.next;
+        let entry = self.ids.entry(name.to_string()).or_insert_with(|| {
+            *next += 1;
+            (*next - 1, 0)
+        });
+        entry.1 += 1;
+        entry.0
+    }
+
+    /// A target of domain `id` leaves, releasing the contents it claimed; returns true if
+    /// the domain is now empty (and forgotten).
+    pub fn leave(&mut self, id: u32, claimed: &HashSet<u64>) -> bool {
+        for sum in claimed {
+            if let Entry::Occupied(mut owner) = self.owners.entry(*sum) {
+                owner.get_mut().1 -= 1;
+                if owner.get().1 == 0 {
+                    owner.remove();
+                }
+            }
+        }
+        let Some(name) = self
+            .ids
+            .iter()
+            .find_map(|(name, &(i, _))| (i == id).then(|| name.clone()))
+        else {
+            return false;
+        };
+        let members = &mut self.ids.get_mut(&name).expect("just found").1;
+        *members -= 1;
+        if *members == 0 {
+            self.ids.remove(&name);
+            return true;
+        }
+        false
+    }
+
+    /// Domains with targets in them.
+    pub fn count(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Contents owned by some domain.
+    pub fn owned_contents(&self) -> usize {
+        self.owners.len()
+    }
+
+    /// Whether a target of domain `id`, which has claimed `claimed`, may mark content `sum`:
+    /// yes if no domain owns it yet (it then owns it) or if `id` does.
+    pub fn claim(&mut self, sum: u64, id: u32, claimed: &mut HashSet<u64>) -> bool {
+        if claimed.contains(&sum) {
+            return self.owners.get(&sum).is_some_and(|&(owner, _)| owner == id);
+        }
+        let owner = self.owners.entry(sum).or_insert((id, 0));
+        if owner.0 != id {
+            return false;
+        }
+        owner.1 += 1;
+        claimed.insert(sum);
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_content_belongs_to_the_first_domain_until_its_last_claimant_leaves() {
+        let mut domains = Domains::default();
+        let (a, b) = (domains.join("uid 0"), domains.join("uid 1000"));
+        let a2 = domains.join("uid 0");
+        assert_eq!(a, a2);
+        assert_ne!(a, b);
+        let (mut claims_a, mut claims_a2, mut claims_b) =
+            (HashSet::new(), HashSet::new(), HashSet::new());
+        assert!(domains.claim(7, a, &mut claims_a));
+        assert!(domains.claim(7, a, &mut claims_a), "claiming again is fine");
+        assert!(domains.claim(7, a2, &mut claims_a2), "same domain");
+        assert!(
+            !domains.claim(7, b, &mut claims_b),
+            "another domain's content"
+        );
+        assert!(!domains.leave(a, &claims_a), "the domain keeps a member");
+        assert!(
+            !domains.claim(7, b, &mut claims_b),
+            "still owned through a2"
+        );
+        assert!(domains.leave(a2, &claims_a2), "last member gone");
+        assert_eq!(domains.count(), 1);
+        assert!(domains.claim(7, b, &mut claims_b), "free again");
+        assert_eq!(domains.owned_contents(), 1);
+        assert!(domains.leave(b, &claims_b));
+        assert_eq!((domains.count(), domains.owned_contents()), (0, 0));
+        assert_ne!(domains.join("uid 0"), a, "numbers are never reused");
+    }
+}

@@ -1,0 +1,778 @@
+//! The daemon: passes over live targets, marking verified duplicates for ksmd to merge.
+//!
+//! One pass is a short sequence of named steps ([`Daemon::pass_with`]): refresh the targets
+//! (new processes matching the selection are adopted, exited ones dropped, ones that cannot
+//! be borrowed refused with a reason), scan them (the dirty source arms and says what
+//! changed; pages are read, checksummed and indexed), count copy-on-write breaks of merged
+//! pages and back off regions that keep breaking, mark the new duplicate runs in each
+//! target, account, and pace ksmd to the marked set. Merges are counted only when the kernel
+//! shows them: pages the scan finds mapped to KSM frames (kpageflags) in the targets. Between
+//! passes the tracer's ring is drained as records arrive.
+//!
+//! Everything about one process lives in its [`Target`] record, which the daemon owns and
+//! lends to the scan and the marking; dropping the record drops all of it.
+
+pub mod domains;
+
+use std::{
+    cell::RefCell,
+    collections::{BTreeMap, HashMap, HashSet, VecDeque},
+    fmt,
+    os::fd::BorrowedFd,
+    path::PathBuf,
+    rc::Rc,
+    time::{Duration, Instant, SystemTime},
+};
+
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use rksm_common::PAGE_SIZE;
+use serde::{Deserialize, Serialize};
+
+pub use self::domains::DomainPolicy;
+use self::domains::Domains;
+use crate::{
+    ebpf::{
+        recorder::Recorder,
+        tracer::{Tracer, TracerConfig, TracerError},
+    },
+    engine::{
+        checksum::ChecksumKind,
+        dirty::{DirtySource, EbpfSource, HashOnly, PagemapSource},
+        merge::{Marker, MergePolicy, Run, REGION_SHIFT},
+        scan::{PassReport, ScanConfig, Scanner},
+        target::Target,
+        targets::{SelectionError, TargetSpec},
+    },
+    kernel::{
+        arming,
+        ksmd::{self, KsmdError, KsmdOwner},
+        process::{Process, ProcessId},
+        procfs::ProcfsError,
+        ranges::Range,
+        remote::{self, RemoteError, RemoteRefusal},
+    },
+};
+
+/// How the daemon decides which pages to hash again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum DirtyMode {
+    /// ebpf if the tracer loads, else pagemap if write-protect arming works, else hash-only.
+    #[default]
+    Auto,
+    /// KSM's rule: rehash everything every pass.
+    HashOnly,
+    /// The eBPF write-fault tracer plus write-protect arming.
+    Ebpf,
+    /// Write-protect arming, written bits from PAGEMAP_SCAN.
+    Pagemap,
+}
+
+crate::value_enum_text!(DirtyMode => "dirty mode");
+
+/// Everything the daemon is told.
+#[derive(Debug, Clone)]
+pub struct DaemonConfig {
+    /// Which processes.
+    pub targets: TargetSpec,
+    /// Dirty source.
+    pub dirty: DirtyMode,
+    /// Checksum for the gate.
+    pub checksum: ChecksumKind,
+    /// Which targets may share merged pages.
+    pub domain: DomainPolicy,
+    /// Where ksmd's sysfs files are.
+    pub ksm_root: PathBuf,
+    /// Where the settings found at take-over are kept until they are restored.
+    pub ksm_state: PathBuf,
+    /// Marking policy.
+    pub policy: MergePolicy,
+    /// How long ksmd should take to sweep the marked set.
+    pub ksmd_sweep: Duration,
+    /// ksmd's sleep between wake-ups while rksm owns it.
+    pub ksmd_sleep_millisecs: u64,
+    /// Restrict scanning to these `(pid, start, end)` ranges (tests).
+    pub only_ranges: Vec<(u32, u64, u64)>,
+}
+
+impl Default for DaemonConfig {
+    fn default() -> Self {
+        DaemonConfig {
+            targets: TargetSpec::default(),
+            dirty: DirtyMode::Auto,
+            checksum: ChecksumKind::Xxh64,
+            domain: DomainPolicy::Uid,
+            ksm_root: PathBuf::from(ksmd::KSM_SYSFS),
+            ksm_state: PathBuf::from(ksmd::STATE_PATH),
+            policy: MergePolicy::default(),
+            ksmd_sweep: Duration::from_millis(500),
+            ksmd_sleep_millisecs: 20,
+            only_ranges: Vec::new(),
+        }
+    }
+}
+
+/// Errors starting the daemon.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    /// The target selection is wrong (the operator's input).
+    #[error(transparent)]
+    Targets(#[from] SelectionError),
+    /// ksmd cannot be owned.
+    #[error(transparent)]
+    Ksmd(#[from] KsmdError),
+    /// `--dirty ebpf` was asked for and the tracer does not load.
+    #[error("--dirty ebpf needs the eBPF tracer: {0}")]
+    Tracer(#[from] TracerError),
+    /// /proc/kpageflags and friends.
+    #[error(transparent)]
+    Procfs(#[from] ProcfsError),
+}
+
+/// The counters the daemon reports (names follow /sys/kernel/mm/ksm).
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize)]
+pub struct DaemonStats {
+    /// KSM frames in the targets (last pass).
+    pub pages_shared: u64,
+    /// Further mappings of KSM frames in the targets (last pass): the memory saved.
+    pub pages_sharing: u64,
+    /// Marked pages ksmd found unique (ksmd's counter).
+    pub pages_unshared: u64,
+    /// Pages whose checksum changed since the previous pass (last pass).
+    pub pages_volatile: u64,
+    /// Passes completed.
+    pub full_scans: u64,
+    /// Pages read and checksummed, all passes.
+    pub pages_hashed: u64,
+    /// Pages the dirty source proved clean and were not read, all passes.
+    pub pages_skipped_clean: u64,
+    /// Time spent in checksums, all passes.
+    pub checksum_ns: u64,
+    /// Write faults the tracer saw in the targets.
+    pub write_faults: u64,
+    /// Write faults the tracer could not record.
+    pub tracer_lost: u64,
+    /// Writes the tracer saw on pages that were merged (copy-on-write breaks).
+    pub cow_breaks: u64,
+    /// System calls made inside targets (marking, arming).
+    pub remote_syscalls: u64,
+    /// Targets refused, by reason.
+    pub targets_refused: BTreeMap<String, u64>,
+    /// The dirty mode in use.
+    pub dirty_mode: String,
+    /// Regions currently backed off because their merged pages keep breaking.
+    pub regions_backed_off: u64,
+    /// Pages marked mergeable in the live targets.
+    pub pages_marked: u64,
+    /// The `run` value someone else wrote to ksmd while rksm owned it; rksm then stops
+    /// pacing ksmd rather than fight them.
+    pub ksmd_taken_back: Option<u64>,
+}
+
+/// What one pass did: the one-line summary, and the status's last pass.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct PassSummary {
+    /// Its number (1 for the first).
+    pub number: u64,
+    /// When it ended (seconds since the Unix epoch).
+    pub ended_unix: f64,
+    /// Wall time.
+    pub seconds: f64,
+    /// Targets scanned.
+    pub targets: usize,
+    /// Pages hashed this pass.
+    pub pages_hashed: u64,
+    /// Pages skipped as clean this pass.
+    pub pages_skipped_clean: u64,
+    /// Verified duplicates found this pass.
+    pub duplicates: u64,
+    /// Runs newly marked.
+    pub runs_marked: u64,
+    /// Copy-on-write breaks seen this pass.
+    pub cow_breaks: u64,
+}
+
+impl fmt::Display for PassSummary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} targets, hashed {} skipped {} pages, {} duplicates, marked {} runs, {} cow breaks, {:.3} s",
+            self.targets, self.pages_hashed, self.pages_skipped_clean, self.duplicates, self.runs_marked, self.cow_breaks, self.seconds
+        )
+    }
+}
+
+/// Seconds since the Unix epoch, as the status reports times.
+pub fn unix_time(t: SystemTime) -> f64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// Processes refused, by identity (pid and start time), so a later process that reuses a
+/// pid inherits nothing.
+#[derive(Debug, Default)]
+struct Refusals {
+    /// Refused for as long as they live: never touched again.
+    lasting: HashMap<ProcessId, String>,
+    /// Refusals already counted, so each process counts once per reason.
+    counted: HashSet<(ProcessId, String)>,
+}
+
+impl Refusals {
+    fn lasting(&self, id: ProcessId) -> bool {
+        self.lasting.contains_key(&id)
+    }
+
+    /// Forgets processes that have exited (whatever now has their pid is someone else).
+    fn prune(&mut self) {
+        let alive = |id: &ProcessId| ProcessId::of(id.pid) == Some(*id);
+        self.lasting.retain(|id, _| alive(id));
+        self.counted.retain(|(id, _)| alive(id));
+    }
+}
+
+/// The running daemon.
+pub struct Daemon {
+    config: DaemonConfig,
+    scanner: Scanner,
+    marker: Marker,
+    ksmd: KsmdOwner,
+    recorder: Option<Rc<RefCell<Recorder>>>,
+    /// The targets, by pid: one record each, the only place anything about them is kept.
+    targets: BTreeMap<u32, Target>,
+    refusals: Refusals,
+    domains: Domains,
+    stats: DaemonStats,
+    marking_syscalls: u64,
+    /// Runs marked in each of the last few passes, newest last.
+    recent_marks: VecDeque<u64>,
+    started: SystemTime,
+    last_pass: Option<PassSummary>,
+}
+
+impl Daemon {
+    /// Resolves the targets, picks the dirty mode, and takes ksmd over (with the host's
+    /// one-daemon lock, which [`KsmdOwner`] holds for as long as it owns ksmd).
+    pub fn start(config: DaemonConfig) -> Result<Daemon, DaemonError> {
+        let selection = config.targets.resolve()?;
+        let ksmd = KsmdOwner::take(
+            &config.ksm_root,
+            &config.ksm_state,
+            ksmd::pace(
+                0,
+                config.ksmd_sweep.as_secs_f64(),
+                config.ksmd_sleep_millisecs,
+            ),
+        )?;
+        let tracer = match Tracer::load(TracerConfig::default()) {
+            Ok(tracer) => Some(tracer),
+            Err(e) if config.dirty == DirtyMode::Ebpf => return Err(e.into()),
+            Err(e) => {
+                log::info!("eBPF tracer unavailable ({e}); no copy-on-write accounting");
+                None
+            }
+        };
+        let recorder = tracer.map(|t| Rc::new(RefCell::new(Recorder::new(t))));
+        let (mode, dirty): (DirtyMode, Box<dyn DirtySource>) = match (config.dirty, &recorder) {
+            (DirtyMode::HashOnly, _) => (DirtyMode::HashOnly, Box::new(HashOnly)),
+            (DirtyMode::Pagemap, _) => (DirtyMode::Pagemap, Box::new(PagemapSource::default())),
+            (DirtyMode::Ebpf | DirtyMode::Auto, Some(recorder)) => {
+                (DirtyMode::Ebpf, Box::new(EbpfSource::new(recorder.clone())))
+            }
+            (DirtyMode::Auto, None) if arming::supported() => {
+                (DirtyMode::Pagemap, Box::new(PagemapSource::default()))
+            }
+            (DirtyMode::Ebpf | DirtyMode::Auto, None) => (DirtyMode::HashOnly, Box::new(HashOnly)),
+        };
+        if config.dirty == DirtyMode::Auto {
+            log::info!("dirty mode: {mode} (chosen automatically)");
+        }
+        let scanner = Scanner::new(
+            ScanConfig {
+                checksum: config.checksum,
+                only_ranges: config.only_ranges.clone(),
+                collect_merge_candidates: true,
+            },
+            dirty,
+        )?;
+        let mut daemon = Daemon {
+            marker: Marker::new(config.policy),
+            config,
+            scanner,
+            ksmd,
+            recorder,
+            targets: BTreeMap::new(),
+            refusals: Refusals::default(),
+            domains: Domains::default(),
+            stats: DaemonStats {
+                dirty_mode: mode.to_string(),
+                ..DaemonStats::default()
+            },
+            marking_syscalls: 0,
+            recent_marks: VecDeque::new(),
+            started: SystemTime::now(),
+            last_pass: None,
+        };
+        daemon.adopt(selection.processes);
+        Ok(daemon)
+    }
+
+    /// The dirty mode in use.
+    pub fn dirty_mode(&self) -> &str {
+        &self.stats.dirty_mode
+    }
+
+    /// The counters so far.
+    pub fn stats(&self) -> &DaemonStats {
+        &self.stats
+    }
+
+    /// What the daemon was told.
+    pub fn config(&self) -> &DaemonConfig {
+        &self.config
+    }
+
+    /// The current targets, by pid.
+    pub fn targets(&self) -> impl Iterator<Item = &Target> {
+        self.targets.values()
+    }
+
+    /// The last pass, once there was one.
+    pub fn last_pass(&self) -> Option<&PassSummary> {
+        self.last_pass.as_ref()
+    }
+
+    /// When the daemon started.
+    pub fn started(&self) -> SystemTime {
+        self.started
+    }
+
+    /// Merge domains with targets in them, and contents owned by one of them.
+    pub fn domain_counts(&self) -> (usize, usize) {
+        (self.domains.count(), self.domains.owned_contents())
+    }
+
+    /// Runs one pass.
+    pub fn pass(&mut self) -> PassSummary {
+        self.pass_with(&mut || {})
+    }
+
+    /// Runs one pass, calling `between_scan_and_mark` after the targets were read and before
+    /// anything is marked in them: the widest window in which a target can exit, exec, fork
+    /// or unmap under a pass. Tests use it to do exactly that.
+    pub fn pass_with(&mut self, between_scan_and_mark: &mut dyn FnMut()) -> PassSummary {
+        let started = Instant::now();
+        let now = self.stats.full_scans;
+        self.refresh_targets();
+        let report = self.scan();
+        self.drop_lost(&report);
+        between_scan_and_mark();
+        let cow_breaks = self.account_cow_breaks(&report, now);
+        let runs_marked = self.mark(&report, now);
+        self.account(&report);
+        self.pace_ksmd(runs_marked);
+        let summary = PassSummary {
+            number: self.stats.full_scans,
+            ended_unix: unix_time(SystemTime::now()),
+            seconds: started.elapsed().as_secs_f64(),
+            targets: report.processes.len(),
+            pages_hashed: report.total.pages_hashed,
+            pages_skipped_clean: report.total.pages_skipped_clean,
+            duplicates: report.total.duplicate_pages,
+            runs_marked,
+            cow_breaks,
+        };
+        self.last_pass = Some(summary.clone());
+        summary
+    }
+
+    /// Adopts the processes not yet targets and not refused: each gets its record.
+    fn adopt(&mut self, processes: Vec<Process>) {
+        for process in processes {
+            let pid = process.pid();
+            if self.targets.contains_key(&pid) || self.refusals.lasting(process.id()) {
+                continue;
+            }
+            let Some(name) = self.config.domain.domain_of(pid) else {
+                continue;
+            };
+            let domain = self.domains.join(&name);
+            log::info!(
+                pid, comm = process.comm(), domain = name.as_str();
+                "target pid {pid} ({}), merge domain {name}",
+                process.comm()
+            );
+            let mut target = Target::adopt(process, domain, name);
+            // Tracked from adoption in every mode: the copy-on-write accounting needs the
+            // tracer even where the dirty source does not.
+            if let Some(recorder) = &self.recorder {
+                if let Err(e) = recorder.borrow_mut().track(pid, &mut target.dirty.tracer) {
+                    log::warn!("tracer cannot track pid {pid}: {e}");
+                }
+            }
+            self.targets.insert(pid, target);
+        }
+    }
+
+    /// Drops `pid`'s record, and with it everything kept about the process.
+    fn drop_target(&mut self, pid: u32) {
+        let Some(target) = self.targets.remove(&pid) else {
+            return;
+        };
+        if let Some(recorder) = &self.recorder {
+            recorder.borrow_mut().forget(pid);
+        }
+        if self.domains.leave(target.domain(), &target.owned) {
+            self.scanner.forget_domain(target.domain());
+        }
+    }
+
+    /// Counts a refusal once per process and reason.
+    fn count_refusal(&mut self, id: ProcessId, reason: &str, why: &dyn fmt::Display) {
+        if self.refusals.counted.insert((id, reason.to_string())) {
+            log::warn!("refusing pid {}: {why}", id.pid);
+            *self.stats.targets_refused.entry(reason.into()).or_default() += 1;
+        }
+    }
+
+    /// Refuses process `id` for as long as it lives: it is never touched again.
+    fn refuse(&mut self, id: ProcessId, reason: &str, why: &dyn fmt::Display) {
+        self.count_refusal(id, reason, why);
+        self.refusals.lasting.insert(id, reason.into());
+        if self.targets.get(&id.pid).is_some_and(|t| t.id() == id) {
+            self.drop_target(id.pid);
+        }
+    }
+
+    /// Refuses target `pid` for `reason`: for good if the reason lasts, else for this pass.
+    fn refuse_remote(&mut self, pid: u32, reason: RemoteRefusal) {
+        let Some(id) = self.targets.get(&pid).map(Target::id) else {
+            return;
+        };
+        if reason.is_lasting() {
+            self.refuse(id, reason.as_str(), &reason);
+        } else {
+            self.count_refusal(id, reason.as_str(), &reason);
+            if let Some(target) = self.targets.get_mut(&pid) {
+                target.skip_this_pass();
+            }
+        }
+    }
+
+    /// Step 1: exited and exec'd targets are dropped, new matches adopted, and targets that
+    /// cannot be borrowed now are refused before anything is done to them.
+    fn refresh_targets(&mut self) {
+        for target in self.targets.values_mut() {
+            target.refresh();
+        }
+        let exited: Vec<u32> = self
+            .targets
+            .values()
+            .filter(|t| t.process().has_exited())
+            .map(Target::pid)
+            .collect();
+        for pid in exited {
+            log::info!("pid {pid} exited");
+            self.drop_target(pid);
+        }
+        // A process that exec'd has a new address space: its arming, marks and checksums
+        // describe one that no longer exists. It starts over, as a new target.
+        let exec_d: Vec<u32> = self
+            .targets
+            .values()
+            .filter(|t| t.process().has_new_image())
+            .map(Target::pid)
+            .collect();
+        for pid in exec_d {
+            log::info!("pid {pid} executed a new program; starting over with it");
+            self.drop_target(pid);
+        }
+        self.refusals.prune();
+        match self.config.targets.resolve_again() {
+            Ok(selection) => {
+                for (pid, _, reason) in &selection.refused {
+                    if let Some(id) = ProcessId::of(*pid) {
+                        if !self.refusals.lasting(id) {
+                            self.refuse(id, reason.as_str(), reason);
+                        }
+                    }
+                }
+                self.adopt(selection.processes);
+            }
+            Err(e) => log::warn!("refreshing targets: {e}"),
+        }
+        let pids: Vec<u32> = self.targets.keys().copied().collect();
+        for pid in pids {
+            if let Err(RemoteError::Refused { reason, .. }) = remote::check_borrowable(pid) {
+                self.refuse_remote(pid, reason);
+            }
+        }
+    }
+
+    /// Step 2: reads, checksums and indexes every target not sitting this pass out. A target
+    /// skipped (traced, stopped, in a disk wait) keeps its arming and checksums: its pages
+    /// could not be marked anyway, and the next pass takes it up where it was.
+    fn scan(&mut self) -> PassReport {
+        let mut targets: Vec<&mut Target> =
+            self.targets.values_mut().filter(|t| !t.skipped()).collect();
+        self.scanner.pass_over(&mut targets, &mut |_| {})
+    }
+
+    /// Step 3: targets that exited during the scan are dropped; unreadable ones counted.
+    fn drop_lost(&mut self, report: &PassReport) {
+        for &pid in &report.exited {
+            self.drop_target(pid);
+        }
+        for (pid, why) in &report.failed {
+            if let Some(target) = self.targets.get_mut(pid) {
+                target.forget_pages();
+                let id = target.id();
+                self.count_refusal(id, "unreadable", &format!("cannot read its memory: {why}"));
+            }
+        }
+    }
+
+    /// Step 4: counts writes the tracer saw on pages that were merged at the previous pass,
+    /// and backs off the regions they happened in.
+    fn account_cow_breaks(&mut self, report: &PassReport, now: u64) -> u64 {
+        let mut breaks = 0;
+        let mut backed_off: Vec<(u32, u64)> = Vec::new();
+        for p in &report.processes {
+            let Some(target) = self.targets.get_mut(&p.pid) else {
+                continue;
+            };
+            let written = match &self.recorder {
+                Some(recorder) => {
+                    recorder.borrow_mut().take(p.pid, &mut target.dirty.tracer);
+                    target.dirty.tracer.close_window()
+                }
+                None => HashSet::new(),
+            };
+            let broken: Vec<u64> = written
+                .iter()
+                .copied()
+                .filter(|page| target.merged.contains(page))
+                .collect();
+            breaks += broken.len() as u64;
+            target.counters.cow_breaks += broken.len() as u64;
+            let regions: HashSet<u64> = broken.iter().map(|page| page >> REGION_SHIFT).collect();
+            for region in regions {
+                if target.backoff.hit(region, now) {
+                    backed_off.push((p.pid, region));
+                }
+            }
+            target.merged = report
+                .ksm_pages
+                .get(&p.pid)
+                .map(|v| v.iter().copied().collect())
+                .unwrap_or_default();
+        }
+        // Backing off unmarks the region, so ksmd stops merging pages that do not stay merged.
+        for (pid, region) in backed_off {
+            let Some(target) = self.targets.get_mut(&pid) else {
+                continue;
+            };
+            let (start, end) = (region << REGION_SHIFT, (region + 1) << REGION_SHIFT);
+            let runs: Vec<Run> = target.marked.within(Range::new(start, end));
+            log::info!("pid {pid}: merged pages in {start:#x}-{end:#x} keep breaking; backing off");
+            match self.marker.unmark(target, &runs) {
+                Ok(outcome) => self.marking_syscalls += outcome.remote_syscalls,
+                Err(e) => log::warn!("pid {pid}: unmarking a backed-off region: {e}"),
+            }
+        }
+        self.stats.cow_breaks += breaks;
+        breaks
+    }
+
+    /// Step 5: marks the new duplicate runs of every target; returns how many were marked.
+    fn mark(&mut self, report: &PassReport, now: u64) -> u64 {
+        let mut runs_marked = 0;
+        let mut refusals = Vec::new();
+        // Contents already merged somewhere belong to that process's domain.
+        for (pid, sums) in &report.ksm_checksums {
+            if let Some(target) = self.targets.get_mut(pid) {
+                for &sum in sums {
+                    self.domains.claim(sum, target.domain(), &mut target.owned);
+                }
+            }
+        }
+        let allow_gaps = self.domains.count() <= 1;
+        // In pid order, so which domain first marks a content does not depend on hashing.
+        let mut candidates: Vec<(&u32, &Vec<(u64, u64)>)> =
+            report.merge_candidates.iter().collect();
+        candidates.sort_unstable_by_key(|(pid, _)| **pid);
+        for (&pid, pages) in candidates {
+            let Some(target) = self.targets.get_mut(&pid) else {
+                continue;
+            };
+            let Some((vmas, vma_count)) = report.vmas.get(&pid) else {
+                continue;
+            };
+            let domain = target.domain();
+            let mut mine = Vec::with_capacity(pages.len());
+            for &(page, sum) in pages {
+                if target.backoff.blocks(page, now) {
+                    continue;
+                }
+                // First domain to mark a content owns it.
+                if self.domains.claim(sum, domain, &mut target.owned) {
+                    mine.push(page);
+                }
+            }
+            let runs = self
+                .marker
+                .plan(pid, &target.marked, &mine, vmas, *vma_count, allow_gaps);
+            match self.marker.mark(target, &runs) {
+                Ok(outcome) => {
+                    runs_marked += outcome.runs;
+                    self.marking_syscalls += outcome.remote_syscalls;
+                }
+                Err(RemoteError::Refused { reason, .. }) => refusals.push((pid, reason)),
+                // The next pass drops it, or starts over with its new program.
+                Err(RemoteError::Gone(_) | RemoteError::NewImage(_)) => {}
+                Err(e) => log::warn!("marking in pid {pid}: {e}"),
+            }
+        }
+        for (pid, reason) in refusals {
+            self.refuse_remote(pid, reason);
+        }
+        self.recent_marks.push_back(runs_marked);
+        if self.recent_marks.len() > 3 {
+            self.recent_marks.pop_front();
+        }
+        runs_marked
+    }
+
+    /// Step 6: the daemon's and each target's counters.
+    fn account(&mut self, report: &PassReport) {
+        let s = &mut self.stats;
+        s.full_scans += 1;
+        s.pages_shared = report.total.ksm_pages_shared;
+        s.pages_sharing = report.total.ksm_pages_sharing;
+        s.pages_volatile = report.total.volatile_pages;
+        s.pages_hashed += report.total.pages_hashed;
+        s.pages_skipped_clean += report.total.pages_skipped_clean;
+        s.checksum_ns += report.total.checksum_ns;
+        s.remote_syscalls = self.marking_syscalls + self.scanner.dirty_remote_syscalls();
+        s.regions_backed_off = self
+            .targets
+            .values()
+            .map(|t| t.backoff.active(s.full_scans))
+            .sum();
+        s.pages_marked = self.targets.values().map(|t| t.marked.pages()).sum();
+        for p in &report.processes {
+            if let Some(t) = self.targets.get_mut(&p.pid) {
+                let c = &mut t.counters;
+                c.pages_shared = p.counts.ksm_pages_shared;
+                c.pages_sharing = p.counts.ksm_pages_sharing;
+                c.pages_volatile = p.counts.volatile_pages;
+                c.pages_hashed += p.counts.pages_hashed;
+                c.pages_skipped_clean += p.counts.pages_skipped_clean;
+                c.pages_marked = t.marked.pages();
+                if let Some(recorder) = &self.recorder {
+                    c.write_faults = recorder.borrow().counters(p.pid).0;
+                }
+            }
+        }
+        if let Ok(k) = ksmd::counters(&self.config.ksm_root) {
+            s.pages_unshared = k.pages_unshared;
+        }
+        if let Some(recorder) = &self.recorder {
+            let recorder = recorder.borrow();
+            let (faults, lost) = self
+                .targets
+                .keys()
+                .map(|&pid| recorder.counters(pid))
+                .fold((0, 0), |a, c| (a.0 + c.0, a.1 + c.1));
+            s.write_faults = s.write_faults.max(faults);
+            s.tracer_lost = s.tracer_lost.max(lost);
+        }
+    }
+
+    /// Step 7: while new runs were marked in the last passes, pace ksmd to sweep the marked
+    /// set in about `ksmd_sweep` (it needs two sweeps to merge a page); once nothing new is
+    /// marked, let it fall back to its default pace, which is enough to re-merge the odd page
+    /// and costs little.
+    fn pace_ksmd(&mut self, _runs_marked: u64) {
+        let busy = self.recent_marks.iter().sum::<u64>() > 0;
+        let pages = if busy { self.stats.pages_marked } else { 0 };
+        let pace = ksmd::pace(
+            pages,
+            self.config.ksmd_sweep.as_secs_f64(),
+            self.config.ksmd_sleep_millisecs,
+        );
+        if let Err(e) = self.ksmd.set(pace) {
+            log::warn!("pacing ksmd: {e}");
+        }
+        self.stats.ksmd_taken_back = self.ksmd.taken_back();
+    }
+
+    /// Waits until `deadline`, draining the tracer as records arrive; returns early (false)
+    /// when one of `interrupts` becomes readable (a signalfd, a child's pidfd).
+    pub fn wait(&mut self, deadline: Instant, interrupts: &[BorrowedFd<'_>]) -> bool {
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return true;
+            }
+            let timeout =
+                PollTimeout::try_from(left.min(Duration::from_secs(1))).unwrap_or(PollTimeout::MAX);
+            let recorder = self.recorder.clone();
+            let recorder_ref = recorder.as_ref().map(|r| r.borrow());
+            let records = recorder_ref.as_ref().map(|r| r.records_fd());
+            let mut fds: Vec<PollFd<'_>> = interrupts
+                .iter()
+                .map(|&fd| PollFd::new(fd, PollFlags::POLLIN))
+                .collect();
+            if let Some(fd) = records {
+                fds.push(PollFd::new(fd, PollFlags::POLLIN));
+            }
+            let _ = poll(&mut fds, timeout);
+            let interrupted = fds[..interrupts.len()]
+                .iter()
+                .any(|fd| fd.revents().is_some_and(|r| !r.is_empty()));
+            drop(fds);
+            drop(recorder_ref);
+            if let Some(r) = &recorder {
+                r.borrow_mut().drain();
+            }
+            if interrupted {
+                return false;
+            }
+        }
+    }
+
+    /// Stops: restores ksmd's settings and returns the final counters. Marked ranges stay
+    /// marked and merged pages stay merged; the targets' userfaultfds close with rksm.
+    pub fn finish(self) -> DaemonStats {
+        let stats = self.stats.clone();
+        if let Err(e) = self.ksmd.restore() {
+            log::error!("restoring ksmd's settings: {e}");
+        }
+        stats
+    }
+}
+
+/// Pages in MiB.
+pub fn mib(pages: u64) -> f64 {
+    (pages * PAGE_SIZE) as f64 / (1024.0 * 1024.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::ValueEnum;
+
+    use super::*;
+
+    #[test]
+    fn dirty_modes_parse_and_print() {
+        for mode in DirtyMode::value_variants() {
+            assert_eq!(mode.to_string().parse::<DirtyMode>().unwrap(), *mode);
+        }
+        assert_eq!(DirtyMode::HashOnly.to_string(), "hash-only");
+        let err = "soft-dirty".parse::<DirtyMode>().unwrap_err();
+        assert_eq!(
+            err,
+            "unknown dirty mode `soft-dirty` (expected auto, hash-only, ebpf, pagemap)"
+        );
+    }
+}

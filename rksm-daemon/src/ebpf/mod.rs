@@ -1,0 +1,9 @@
+//! The write-fault tracer: the eBPF program that approximates a dirty bit.
+//!
+//! [`tracefs`] checks the tracepoint's layout before anything is loaded, [`tracer`] loads and
+//! attaches the program and owns its maps, and [`recorder`] drains the ring into a log that the
+//! daemon and `rksm trace` both read.
+
+pub mod recorder;
+pub mod tracefs;
+pub mod tracer;

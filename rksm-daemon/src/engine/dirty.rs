@@ -1,0 +1,303 @@
+//! Dirty sources: which pages must be hashed again this pass.
+//!
+//! This is where rksm differs from KSM. KSM rehashes every candidate on every pass because it
+//! has no other way to know a page is unchanged. A dirty source answers that question per
+//! process: "every page" (hash-only, KSM's rule), or "these pages, and no others" when it can
+//! prove the others clean (the eBPF tracer or PAGEMAP_SCAN after write-protecting, in later
+//! modules). The scanner treats a page as clean only when the source says so *and* it has a
+//! checksum from a previous pass; the index still compares contents before anything counts.
+
+use std::{cell::RefCell, collections::HashSet, rc::Rc};
+
+use crate::{
+    ebpf::recorder::{Recorder, TracerState},
+    kernel::{
+        arming::{ArmError, Armed},
+        process::Process,
+        procfs::Vma,
+        ranges::RangeSet,
+        remote::{RemoteError, RemoteSession},
+    },
+};
+
+/// The pages a source says were written since the previous pass.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DirtySet {
+    /// Treat every page as written (hash-only mode, or the source lost track).
+    All,
+    /// Inside `armed` (ranges that were write-protected when last hashed), only `written`
+    /// pages were written; pages outside `armed` are not provably clean.
+    Only {
+        /// Pages written since the previous pass.
+        written: HashSet<u64>,
+        /// Ranges under write protection.
+        armed: RangeSet,
+    },
+}
+
+impl DirtySet {
+    /// Whether `page` must be hashed again.
+    pub fn contains(&self, page: u64) -> bool {
+        match self {
+            DirtySet::All => true,
+            DirtySet::Only { written, armed } => written.contains(&page) || !armed.contains(page),
+        }
+    }
+}
+
+/// Errors a dirty source can hit (arming or reading write state).
+#[derive(Debug, thiserror::Error)]
+#[error("dirty source {source_name} on pid {pid}: {message}")]
+pub struct DirtyError {
+    /// The source's mode name.
+    pub source_name: &'static str,
+    /// The process.
+    pub pid: u32,
+    /// What went wrong.
+    pub message: String,
+}
+
+/// A target's write-protect arming, from its first pass on.
+#[derive(Debug, Default)]
+enum Arming {
+    /// Not tried yet.
+    #[default]
+    NotYet,
+    /// Armed: a userfaultfd registered over its VMAs.
+    Armed(Armed),
+    /// Arming failed (refused, no userfaultfd): not tried again; hashed in full.
+    Failed,
+}
+
+/// What the dirty sources keep about one target between passes. It lives in the target's
+/// record, so it goes with the target: the userfaultfd closes and the kernel unregisters.
+#[derive(Debug, Default)]
+pub struct DirtyState {
+    arming: Arming,
+    /// What the tracer recorder keeps about the target.
+    pub tracer: TracerState,
+    /// Pages seen written after the last protection: dirty again next pass.
+    carried: HashSet<u64>,
+}
+
+impl DirtyState {
+    /// Whether the target's pages are write-protected between passes.
+    pub fn armed(&self) -> bool {
+        matches!(self.arming, Arming::Armed(_))
+    }
+}
+
+/// Decides, per target and pass, which pages must be rehashed.
+pub trait DirtySource {
+    /// The mode's name as the command line spells it (`hash-only`, `ebpf`, `pagemap`).
+    fn mode(&self) -> &'static str;
+
+    /// The pages of `process` (within its scanned `vmas`) written since the previous call
+    /// with the same `state`. Sources that arm do it here, before the pages are read. The
+    /// first call for a target must return [`DirtySet::All`] or an empty armed set.
+    fn dirty_pages(
+        &mut self,
+        process: &Process,
+        state: &mut DirtyState,
+        vmas: &[Vma],
+    ) -> Result<DirtySet, DirtyError>;
+
+    /// System calls made inside targets (to arm them) so far.
+    fn remote_syscalls(&self) -> u64 {
+        0
+    }
+}
+
+/// KSM's rule: every candidate is rehashed every pass.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct HashOnly;
+
+impl DirtySource for HashOnly {
+    fn mode(&self) -> &'static str {
+        "hash-only"
+    }
+
+    fn dirty_pages(
+        &mut self,
+        _process: &Process,
+        _state: &mut DirtyState,
+        _vmas: &[Vma],
+    ) -> Result<DirtySet, DirtyError> {
+        Ok(DirtySet::All)
+    }
+}
+
+/// What protecting one target found: the pages written since the previous protection, and
+/// the ranges that were under protection all along (only their clean pages can be trusted).
+pub type Protected = (HashSet<u64>, RangeSet);
+
+/// Arms `process` if it is not yet, registers new VMAs, write-protects, and returns the pages
+/// written since the previous call with the armed ranges; `None` if it cannot be armed.
+fn protect(
+    process: &Process,
+    state: &mut DirtyState,
+    vmas: &[Vma],
+    remote_syscalls: &mut u64,
+) -> Option<Protected> {
+    if let Arming::NotYet = state.arming {
+        let armed = RemoteSession::begin(process)
+            .map_err(ArmError::from)
+            .and_then(|mut session| {
+                let armed = Armed::arm(process, &mut session);
+                *remote_syscalls += session.calls();
+                session.finish()?;
+                armed
+            });
+        state.arming = match armed {
+            Ok(armed) => Arming::Armed(armed),
+            // Exited or exec'd since it was opened: the next pass sees to it.
+            Err(ArmError::Remote(RemoteError::Gone(_) | RemoteError::NewImage(_))) => return None,
+            Err(e) => {
+                log::warn!(
+                    "pid {} cannot be write-protected, hashing all its pages every pass: {e}",
+                    process.pid()
+                );
+                Arming::Failed
+            }
+        };
+    }
+    let Arming::Armed(armed) = &mut state.arming else {
+        return None;
+    };
+    // Only ranges armed *before* this call (and still armed after protecting, which finds
+    // ranges that lost their registration) have pages whose cleanliness can be trusted.
+    let before = armed.armed_ranges().clone();
+    armed.register(vmas);
+    let written = armed.protect();
+    let trusted = before.intersection(armed.armed_ranges());
+    Some((written, trusted))
+}
+
+/// `--dirty pagemap`: written bits straight from PAGEMAP_SCAN; the exact reference.
+#[derive(Debug, Default)]
+pub struct PagemapSource {
+    remote_syscalls: u64,
+}
+
+impl DirtySource for PagemapSource {
+    fn mode(&self) -> &'static str {
+        "pagemap"
+    }
+
+    fn dirty_pages(
+        &mut self,
+        process: &Process,
+        state: &mut DirtyState,
+        vmas: &[Vma],
+    ) -> Result<DirtySet, DirtyError> {
+        Ok(
+            match protect(process, state, vmas, &mut self.remote_syscalls) {
+                Some((written, armed)) => DirtySet::Only { written, armed },
+                None => DirtySet::All,
+            },
+        )
+    }
+
+    fn remote_syscalls(&self) -> u64 {
+        self.remote_syscalls
+    }
+}
+
+/// `--dirty ebpf`: the write-fault tracer says which pages were written; PAGEMAP_SCAN only
+/// re-arms the write protection that makes every first write fault.
+pub struct EbpfSource {
+    recorder: Rc<RefCell<Recorder>>,
+    remote_syscalls: u64,
+}
+
+impl EbpfSource {
+    /// A source over a recorder shared with the daemon (which drains it between passes).
+    pub fn new(recorder: Rc<RefCell<Recorder>>) -> Self {
+        EbpfSource {
+            recorder,
+            remote_syscalls: 0,
+        }
+    }
+}
+
+impl DirtySource for EbpfSource {
+    fn mode(&self) -> &'static str {
+        "ebpf"
+    }
+
+    fn dirty_pages(
+        &mut self,
+        process: &Process,
+        state: &mut DirtyState,
+        vmas: &[Vma],
+    ) -> Result<DirtySet, DirtyError> {
+        let pid = process.pid();
+        let first_time = !state.tracer.tracked();
+        if let Err(e) = self.recorder.borrow_mut().track(pid, &mut state.tracer) {
+            log::warn!("tracer cannot track pid {pid}: {e}");
+        }
+        // Writes up to now; then protect; then writes that raced with protecting, which are
+        // dirty now and, since they may land after the read, again next pass.
+        let before = self.recorder.borrow_mut().take(pid, &mut state.tracer);
+        let Some((_, armed)) = protect(process, state, vmas, &mut self.remote_syscalls) else {
+            return Ok(DirtySet::All);
+        };
+        let after = self.recorder.borrow_mut().take(pid, &mut state.tracer);
+        if first_time || before.lost || after.lost || !state.tracer.tracked() {
+            state.carried = after.pages;
+            return Ok(DirtySet::All);
+        }
+        let mut written = std::mem::take(&mut state.carried);
+        written.extend(before.pages);
+        written.extend(after.pages.iter().copied());
+        state.carried = after.pages;
+        Ok(DirtySet::Only { written, armed })
+    }
+
+    fn remote_syscalls(&self) -> u64 {
+        self.remote_syscalls
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hash_only_marks_everything_dirty_every_time() {
+        let mut source = HashOnly;
+        let mut child = std::process::Command::new("sleep")
+            .arg("10")
+            .spawn()
+            .unwrap();
+        let process = Process::open(child.id()).unwrap();
+        for _ in 0..3 {
+            let dirty = source
+                .dirty_pages(&process, &mut DirtyState::default(), &[])
+                .unwrap();
+            assert!(dirty.contains(0x1000) && dirty.contains(0xdead_0000));
+        }
+        assert_eq!(source.mode(), "hash-only");
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+
+    #[test]
+    fn only_the_written_pages_of_armed_ranges_are_clean_candidates() {
+        let mut armed = RangeSet::default();
+        armed.insert(crate::kernel::ranges::Range::new(0x1000, 0x5000));
+        let dirty = DirtySet::Only {
+            written: [0x1000, 0x3000].into_iter().collect(),
+            armed,
+        };
+        assert!(dirty.contains(0x1000) && dirty.contains(0x3000), "written");
+        assert!(
+            !dirty.contains(0x2000) && !dirty.contains(0x4000),
+            "armed and not written: clean"
+        );
+        assert!(
+            dirty.contains(0x5000) && dirty.contains(0x0),
+            "outside the armed ranges: not provably clean"
+        );
+    }
+}
