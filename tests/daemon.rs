@@ -593,24 +593,36 @@ fn identical_pages_of_two_users_are_never_merged_with_each_other_by_default() {
             daemon.wait(Instant::now() + Duration::from_millis(300), &[]);
             daemon.pass();
         }
-        daemon.finish();
         assert!(
             merged,
             "{policy}: the first domain's duplicates were not merged"
         );
         let b = ksm_pages(nobody_pid, rb, 64).len();
+        assert!(root.verify(ra, 0, 64, 77) && nobody.verify(rb, 0, 64, 77));
         if across {
             assert_eq!(
                 b, 64,
                 "{policy}: one domain for all, so nobody's copies merge too"
             );
-        } else {
-            assert_eq!(
-                b, 0,
-                "{policy}: nobody's pages were merged with root's content"
-            );
+            daemon.finish();
+            continue;
         }
-        assert!(root.verify(ra, 0, 64, 77) && nobody.verify(rb, 0, 64, 77));
+        assert_eq!(
+            b, 0,
+            "{policy}: nobody's pages were merged with root's content"
+        );
+        assert_eq!(daemon.domain_counts().0, 2);
+        // The owner exits: its domain and the contents it owned go with it, and nobody's
+        // copies of the content may now be merged with each other.
+        drop(root);
+        let freed = passes_until(&mut daemon, || ksm_pages(nobody_pid, rb, 64).len() == 64);
+        assert!(
+            freed,
+            "the content stayed owned by a domain with no process left"
+        );
+        assert_eq!(daemon.domain_counts().0, 1, "the empty domain stayed");
+        daemon.finish();
+        assert!(nobody.verify(rb, 0, 64, 77));
     }
 }
 
@@ -952,4 +964,27 @@ fn a_target_skipped_for_a_pass_keeps_its_arming_and_checksums() {
     let stats = daemon.finish();
     assert_eq!(stats.targets_refused.len(), 1, "{stats:?}");
     assert!(child.verify_unique(r, 10, 3, 99_000) && child.verify_unique(r, 13, 243, 4255));
+}
+
+#[test]
+fn a_write_between_the_scan_and_the_marking_is_hashed_next_pass() {
+    require_root();
+    let _turn = ksm_turn();
+    let mut child = TestChild::spawn();
+    let r = child.map(128);
+    child.write_unique(r, 0, 128, 5150);
+    let mut daemon = daemon_over(&[(child.pid(), r, 128)], DirtyMode::Ebpf);
+    daemon.pass();
+    daemon.pass();
+    let steady = daemon.pass();
+    assert!(steady.pages_hashed < 8, "not steady yet: {steady}");
+    // The page is written after this pass read it: the tracer sees the write, and the next
+    // pass must rehash the page, whatever else this pass does with the tracer's records.
+    daemon.pass_with(&mut || child.write_unique(r, 7, 1, 99_777));
+    let next = daemon.pass();
+    assert!(
+        (1..8).contains(&next.pages_hashed),
+        "the page written after the scan was not rehashed: {next}"
+    );
+    assert!(child.verify_unique(r, 7, 1, 99_777));
 }

@@ -237,6 +237,9 @@ pub struct Daemon {
     marker: Marker,
     ksmd: KsmdOwner,
     recorder: Option<Rc<RefCell<Recorder>>>,
+    /// The dirty source takes the tracer's records itself (ebpf mode): the copy-on-write
+    /// accounting then only reads the window those takes fill.
+    dirty_takes_records: bool,
     /// The targets, by pid: one record each, the only place anything about them is kept.
     targets: BTreeMap<u32, Target>,
     refusals: Refusals,
@@ -300,6 +303,7 @@ impl Daemon {
             scanner,
             ksmd,
             recorder,
+            dirty_takes_records: mode == DirtyMode::Ebpf,
             targets: BTreeMap::new(),
             refusals: Refusals::default(),
             domains: Domains::default(),
@@ -369,7 +373,7 @@ impl Daemon {
         let cow_breaks = self.account_cow_breaks(&report, now);
         let runs_marked = self.mark(&report, now);
         self.account(&report);
-        self.pace_ksmd(runs_marked);
+        self.pace_ksmd();
         let summary = PassSummary {
             number: self.stats.full_scans,
             ended_unix: unix_time(SystemTime::now()),
@@ -542,7 +546,11 @@ impl Daemon {
             };
             let written = match &self.recorder {
                 Some(recorder) => {
-                    recorder.borrow_mut().take(p.pid, &mut target.dirty.tracer);
+                    // Taking records here in ebpf mode would hide a write made since the
+                    // scan from the next pass's dirty set; it joins the next window instead.
+                    if !self.dirty_takes_records {
+                        recorder.borrow_mut().take(p.pid, &mut target.dirty.tracer);
+                    }
                     target.dirty.tracer.close_window()
                 }
                 None => HashSet::new(),
@@ -692,7 +700,7 @@ impl Daemon {
     /// set in about `ksmd_sweep` (it needs two sweeps to merge a page); once nothing new is
     /// marked, let it fall back to its default pace, which is enough to re-merge the odd page
     /// and costs little.
-    fn pace_ksmd(&mut self, _runs_marked: u64) {
+    fn pace_ksmd(&mut self) {
         let busy = self.recent_marks.iter().sum::<u64>() > 0;
         let pages = if busy { self.stats.pages_marked } else { 0 };
         let pace = ksmd::pace(
