@@ -502,19 +502,45 @@ fn test(quick: bool, args: Vec<OsString>) -> Result<()> {
             .env("RKSM_EBPF_OBJECT", ebpf_object()),
     )
     .context("clippy")?;
-    let mut test = cargo();
-    test.args(["test", "--workspace", "--release"]);
+    let test = || {
+        let mut test = cargo();
+        test.args(["test", "--workspace", "--release"])
+            .env("RKSM_EBPF_OBJECT", ebpf_object());
+        test
+    };
+    let mut runs = Vec::new();
     if quick {
-        // Every target but the slow suites, named one by one (cargo has no exclusion).
-        test.args(["--lib", "--bins", "--doc"]);
+        // Every target but the slow suites, named one by one (cargo has no exclusion, and
+        // will not mix doc tests with other targets).
+        let mut some = test();
+        some.args(["--lib", "--bins"]);
         for suite in test_suites()? {
             if !SLOW_SUITES.contains(&suite.as_str()) {
-                test.args(["--test", &suite]);
+                some.args(["--test", &suite]);
             }
         }
+        let mut docs = test();
+        docs.arg("--doc");
+        runs.extend([some, docs]);
         eprintln!("xtask: --quick: leaving out {}", SLOW_SUITES.join(", "));
+    } else {
+        runs.push(test());
     }
-    cargo_test(test.args(&args).env("RKSM_EBPF_OBJECT", ebpf_object()))
+    let (mut passed, mut failed) = (0, 0);
+    let mut outcome = Ok(());
+    for mut run in runs {
+        let (p, f, result) = cargo_test(run.args(&args))?;
+        (passed, failed) = (passed + p, failed + f);
+        outcome = outcome.and(result);
+    }
+    // One line totalling every test binary's `test result:` line, so the outcome does not
+    // hinge on which binary ran last.
+    println!("tests: {passed} passed, {failed} failed");
+    outcome?;
+    if passed == 0 {
+        bail!("cargo test ran no test");
+    }
+    Ok(())
 }
 
 /// The integration test suites, as tests/Cargo.toml names them.
@@ -576,9 +602,9 @@ fn install(prefix: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Runs `cargo test`, passing its output through, and ends with one line totalling every
-/// test binary's `test result:` line, so the outcome does not hinge on which binary ran last.
-fn cargo_test(cmd: &mut Command) -> Result<()> {
+/// Runs `cargo test`, passing its output through; returns the tests passed and failed, as
+/// its `test result:` lines count them, and whether it succeeded.
+fn cargo_test(cmd: &mut Command) -> Result<(u64, u64, Result<()>)> {
     use std::io::{BufRead, BufReader};
     let mut child = cmd
         .stdout(Stdio::piped())
@@ -594,14 +620,12 @@ fn cargo_test(cmd: &mut Command) -> Result<()> {
         }
     }
     let status = child.wait()?;
-    println!("tests: {passed} passed, {failed} failed");
-    if !status.success() {
-        bail!("cargo test failed with {status}");
-    }
-    if passed == 0 {
-        bail!("cargo test ran no test");
-    }
-    Ok(())
+    let result = if status.success() {
+        Ok(())
+    } else {
+        Err(anyhow::anyhow!("cargo test failed with {status}"))
+    };
+    Ok((passed, failed, result))
 }
 
 /// In `ok. 6 passed; 0 failed; ...`, the number before `word`.

@@ -772,6 +772,29 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_refusal_is_not_inherited_by_a_process_that_reuses_the_pid() {
+        let me = ProcessId::of(std::process::id()).unwrap();
+        // An earlier process that had this pid, and was refused for good.
+        let earlier = ProcessId {
+            start_ticks: me.start_ticks - 1,
+            ..me
+        };
+        let mut refusals = Refusals::default();
+        refusals.lasting.insert(earlier, "seccomp".into());
+        refusals.counted.insert((earlier, "seccomp".into()));
+        assert!(refusals.lasting(earlier));
+        assert!(!refusals.lasting(me), "inherited by the pid's new owner");
+        refusals.lasting.insert(me, "seccomp".into());
+        refusals.prune();
+        assert!(refusals.lasting(me), "a live process's refusal lasts");
+        assert!(
+            !refusals.lasting(earlier),
+            "the exited process is forgotten"
+        );
+        assert!(refusals.counted.is_empty());
+    }
+
+    #[test]
     fn dirty_modes_parse_and_print() {
         for mode in DirtyMode::value_variants() {
             assert_eq!(mode.to_string().parse::<DirtyMode>().unwrap(), *mode);
