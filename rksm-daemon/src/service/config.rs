@@ -273,7 +273,11 @@ impl Seconds {
     /// assert_eq!(Seconds::INTERVAL.parse("2.5"), Ok(2.5));
     /// assert_eq!(
     ///     Seconds::INTERVAL.parse("0").unwrap_err(),
-    ///     "0 is not a number of seconds between 0 and 86400"
+    ///     "0 is not a number of seconds more than 0 and at most 86400"
+    /// );
+    /// assert_eq!(
+    ///     Seconds::BENCH.parse("fast").unwrap_err(),
+    ///     "`fast` is not a number of seconds from 2 to 3600"
     /// );
     /// ```
     pub fn check(self, value: f64) -> Result<f64, String> {
@@ -281,10 +285,19 @@ impl Seconds {
         if value.is_finite() && above_min && value <= self.max {
             Ok(value)
         } else {
-            Err(format!(
-                "{value} is not a number of seconds between {} and {}",
+            Err(format!("{value} is not {}", self.bounds()))
+        }
+    }
+
+    /// "a number of seconds ..." with the bounds, as errors say it.
+    fn bounds(self) -> String {
+        if self.min_ok {
+            format!("a number of seconds from {} to {}", self.min, self.max)
+        } else {
+            format!(
+                "a number of seconds more than {} and at most {}",
                 self.min, self.max
-            ))
+            )
         }
     }
 
@@ -292,10 +305,7 @@ impl Seconds {
     pub fn parse(self, text: &str) -> Result<f64, String> {
         match text.parse::<f64>() {
             Ok(value) => self.check(value),
-            Err(_) => Err(format!(
-                "`{text}` is not a number of seconds between {} and {}",
-                self.min, self.max
-            )),
+            Err(_) => Err(format!("`{text}` is not {}", self.bounds())),
         }
     }
 }
@@ -434,7 +444,7 @@ metrics_address = "127.0.0.1:9464"
             ),
             ("\nchecksum = \"md5\"", 2, "md5"),
             ("domain = \"tenant\"", 1, "unknown merge domain"),
-            ("interval = 0", 1, "between 0 and 86400"),
+            ("interval = 0", 1, "more than 0 and at most 86400"),
             ("interval = \"fast\"", 1, "expected a number of seconds"),
             ("min_age = -1", 1, "not a number of seconds"),
             ("passes = 0", 1, "at least 1"),
