@@ -67,9 +67,9 @@ impl Domains {
         entry.0
     }
 
-    /// A target of domain `id` leaves, releasing the contents it claimed; returns true if
+    /// A target of domain `name` leaves, releasing the contents it claimed; returns true if
     /// the domain is now empty (and forgotten).
-    pub fn leave(&mut self, id: u32, claimed: &HashSet<u64>) -> bool {
+    pub fn leave(&mut self, name: &str, claimed: &HashSet<u64>) -> bool {
         for sum in claimed {
             if let Entry::Occupied(mut owner) = self.owners.entry(*sum) {
                 owner.get_mut().1 -= 1;
@@ -78,20 +78,15 @@ impl Domains {
                 }
             }
         }
-        let Some(name) = self
-            .ids
-            .iter()
-            .find_map(|(name, &(i, _))| (i == id).then(|| name.clone()))
-        else {
+        let Some((_, members)) = self.ids.get_mut(name) else {
             return false;
         };
-        let members = &mut self.ids.get_mut(&name).expect("just found").1;
         *members -= 1;
-        if *members == 0 {
-            self.ids.remove(&name);
-            return true;
+        if *members > 0 {
+            return false;
         }
-        false
+        self.ids.remove(name);
+        true
     }
 
     /// Domains with targets in them.
@@ -140,16 +135,19 @@ mod tests {
             !domains.claim(7, b, &mut claims_b),
             "another domain's content"
         );
-        assert!(!domains.leave(a, &claims_a), "the domain keeps a member");
+        assert!(
+            !domains.leave("uid 0", &claims_a),
+            "the domain keeps a member"
+        );
         assert!(
             !domains.claim(7, b, &mut claims_b),
             "still owned through a2"
         );
-        assert!(domains.leave(a2, &claims_a2), "last member gone");
+        assert!(domains.leave("uid 0", &claims_a2), "last member gone");
         assert_eq!(domains.count(), 1);
         assert!(domains.claim(7, b, &mut claims_b), "free again");
         assert_eq!(domains.owned_contents(), 1);
-        assert!(domains.leave(b, &claims_b));
+        assert!(domains.leave("uid 1000", &claims_b));
         assert_eq!((domains.count(), domains.owned_contents()), (0, 0));
         assert_ne!(domains.join("uid 0"), a, "numbers are never reused");
     }

@@ -425,7 +425,7 @@ impl Daemon {
         if let Some(recorder) = &self.recorder {
             recorder.borrow_mut().forget(pid);
         }
-        if self.domains.leave(target.domain(), &target.owned) {
+        if self.domains.leave(target.domain_name(), &target.owned) {
             self.scanner.forget_domain(target.domain());
         }
     }

@@ -2,10 +2,12 @@
 //!
 //! This is where rksm differs from KSM. KSM rehashes every candidate on every pass because it
 //! has no other way to know a page is unchanged. A dirty source answers that question per
-//! process: "every page" (hash-only, KSM's rule), or "these pages, and no others" when it can
-//! prove the others clean (the eBPF tracer or PAGEMAP_SCAN after write-protecting, in later
-//! modules). The scanner treats a page as clean only when the source says so *and* it has a
-//! checksum from a previous pass; the index still compares contents before anything counts.
+//! target: "every page" (hash-only, KSM's rule), or "these pages, and no others" when it can
+//! prove the others clean (the eBPF tracer, or PAGEMAP_SCAN, after write-protecting). The
+//! scanner treats a page as clean only when the source says so *and* it has a checksum from a
+//! previous pass; the index still compares contents before anything counts. What a source
+//! keeps about a target lives in the target's record ([`DirtyState`]); a source itself holds
+//! only what all targets share (the recorder, a counter).
 
 use std::{cell::RefCell, collections::HashSet, rc::Rc};
 
