@@ -10,8 +10,7 @@ use std::{
 
 use rksm::{
     daemon::{Daemon, DaemonConfig, DaemonStats, DirtyMode, DomainPolicy},
-    engine::checksum::ChecksumKind,
-    engine::targets::TargetSpec,
+    engine::{checksum::ChecksumKind, targets::TargetSpec},
 };
 use rksm_tests::{
     any_vma_mergeable, blocked_syscall, fd_count, ksm_merging_pages, ksm_pages, ksm_turn,

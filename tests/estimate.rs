@@ -6,10 +6,12 @@
 use std::process::Command;
 
 use rksm::{
-    engine::checksum::ChecksumKind,
-    engine::dirty::HashOnly,
-    engine::scan::{PageCounts, PassReport, ScanConfig, Scanner},
-    engine::target::Target,
+    engine::{
+        checksum::ChecksumKind,
+        dirty::HashOnly,
+        scan::{PageCounts, PassReport, ScanConfig, Scanner},
+        target::Target,
+    },
     kernel::process::Process,
 };
 use rksm_tests::{require_root, rksm_command, Region, TestChild, PAGE};

@@ -2,10 +2,10 @@
 
 use std::time::{Duration, Instant};
 
-use rksm::{
-    kernel::process::Process,
-    kernel::reader::ProcMem,
-    kernel::remote::{nr, RemoteError, RemoteRefusal, RemoteSession},
+use rksm::kernel::{
+    process::Process,
+    reader::ProcMem,
+    remote::{nr, RemoteError, RemoteRefusal, RemoteSession},
 };
 use rksm_tests::{
     blocked_syscall, fd_count, proc_status, require_root, vma_mergeable, wait_for, TestChild, PAGE,

@@ -9,11 +9,12 @@ use std::{
 };
 
 use rksm::{
-    ebpf::recorder::Recorder,
-    ebpf::tracer::{Tracer, TracerConfig, WriteLog},
+    ebpf::{
+        recorder::Recorder,
+        tracer::{Tracer, TracerConfig, WriteLog},
+    },
     engine::dirty::{DirtySet, DirtySource, DirtyState, EbpfSource},
-    kernel::process::Process,
-    kernel::procfs,
+    kernel::{process::Process, procfs},
     tools::trace::TraceSession,
 };
 use rksm_tests::{require_root, rksm_command, Region, TestChild, PAGE};

@@ -23,10 +23,12 @@ use nix::{
     unistd::Pid,
 };
 use rksm::{
-    engine::checksum::ChecksumKind,
-    engine::dirty::HashOnly,
-    engine::scan::{ScanConfig, Scanner},
-    engine::target::Target as ScanTarget,
+    engine::{
+        checksum::ChecksumKind,
+        dirty::HashOnly,
+        scan::{ScanConfig, Scanner},
+        target::Target as ScanTarget,
+    },
     kernel::process::Process,
 };
 

@@ -6,8 +6,10 @@ use anyhow::Context;
 use clap::Args;
 use rksm::{
     service::config::Seconds,
-    tools::bench::{self, BenchPlan, RunResult},
-    tools::workload::{self, Profile},
+    tools::{
+        bench::{self, BenchPlan, RunResult},
+        workload::{self, Profile},
+    },
 };
 
 use super::BadInput;

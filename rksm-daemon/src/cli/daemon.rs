@@ -13,11 +13,11 @@ use anyhow::Context;
 use clap::Args;
 use rksm::{
     daemon::{mib, Daemon, DaemonConfig, DaemonError, DaemonStats, DirtyMode, DomainPolicy},
-    engine::checksum::ChecksumKind,
-    engine::targets::TargetSpec,
-    service::config::ConfigFile,
-    service::config::Seconds,
-    service::status::{Status, StatusServer, DEFAULT_SOCKET},
+    engine::{checksum::ChecksumKind, targets::TargetSpec},
+    service::{
+        config::{ConfigFile, Seconds},
+        status::{Status, StatusServer, DEFAULT_SOCKET},
+    },
 };
 
 use super::{targets::TargetArgs, termination_signals, BadInput};

@@ -7,10 +7,12 @@ use std::{
 
 use clap::Args;
 use rksm::{
-    engine::checksum::ChecksumKind,
-    engine::dirty::HashOnly,
-    engine::scan::{PageCounts, PassReport, Progress, ScanConfig, Scanner},
-    engine::target::Target,
+    engine::{
+        checksum::ChecksumKind,
+        dirty::HashOnly,
+        scan::{PageCounts, PassReport, Progress, ScanConfig, Scanner},
+        target::Target,
+    },
     service::config::Seconds,
 };
 use serde_json::{json, Value};

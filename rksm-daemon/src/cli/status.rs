@@ -5,8 +5,10 @@ use std::{io::Write, path::PathBuf, time::SystemTime};
 use clap::Args;
 use rksm::{
     daemon::{mib, unix_time},
-    service::config::ConfigFile,
-    service::status::{query, render_metrics, Status, DEFAULT_SOCKET},
+    service::{
+        config::ConfigFile,
+        status::{query, render_metrics, Status, DEFAULT_SOCKET},
+    },
 };
 
 /// Show what the running daemon is doing: its modes, counters, last pass and targets.

@@ -6,8 +6,7 @@ use clap::Args;
 use regex::Regex;
 use rksm::{
     engine::targets::{Selection, SelectionError, TargetSpec},
-    service::config::ConfigFile,
-    service::config::Seconds,
+    service::config::{ConfigFile, Seconds},
 };
 
 use super::BadInput;

@@ -521,15 +521,16 @@ impl Daemon {
         self.scanner.pass_over(&mut targets, &mut |_| {})
     }
 
-    /// Step 3: targets that exited during the scan are dropped; unreadable ones counted.
+    /// Step 3: targets that exited during the scan are dropped; unreadable ones counted. One
+    /// whose read failed half-way has had its checksums forgotten by the scan (it is read in
+    /// full next time); one whose maps could not be read was not protected either, so, like a
+    /// skipped target, it keeps them.
     fn drop_lost(&mut self, report: &PassReport) {
         for &pid in &report.exited {
             self.drop_target(pid);
         }
         for (pid, why) in &report.failed {
-            if let Some(target) = self.targets.get_mut(pid) {
-                target.forget_pages();
-                let id = target.id();
+            if let Some(id) = self.targets.get(pid).map(Target::id) {
                 self.count_refusal(id, "unreadable", &format!("cannot read its memory: {why}"));
             }
         }
@@ -676,21 +677,20 @@ impl Daemon {
                 c.pages_hashed += p.counts.pages_hashed;
                 c.pages_skipped_clean += p.counts.pages_skipped_clean;
                 c.pages_marked = t.marked.pages();
-                if let Some(recorder) = &self.recorder {
-                    c.write_faults = recorder.borrow().counters(p.pid).0;
-                }
             }
         }
         if let Ok(k) = ksmd::counters(&self.config.ksm_root) {
             s.pages_unshared = k.pages_unshared;
         }
+        // One map lookup per target: its own count, and the daemon-wide sums.
         if let Some(recorder) = &self.recorder {
             let recorder = recorder.borrow();
-            let (faults, lost) = self
-                .targets
-                .keys()
-                .map(|&pid| recorder.counters(pid))
-                .fold((0, 0), |a, c| (a.0 + c.0, a.1 + c.1));
+            let (mut faults, mut lost) = (0, 0);
+            for t in self.targets.values_mut() {
+                let (f, l) = recorder.counters(t.pid());
+                t.counters.write_faults = f;
+                (faults, lost) = (faults + f, lost + l);
+            }
             s.write_faults = s.write_faults.max(faults);
             s.tracer_lost = s.tracer_lost.max(lost);
         }

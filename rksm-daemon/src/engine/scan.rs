@@ -19,15 +19,17 @@ use rksm_common::PAGE_SIZE;
 use serde::Serialize;
 
 use crate::{
-    engine::checksum::{ChecksumKind, NO_CHECKSUM},
-    engine::index::{Content, ContentSource, Index, PageRef, Placement, TopContent},
     engine::{
+        checksum::{ChecksumKind, NO_CHECKSUM},
         dirty::{DirtySet, DirtySource},
+        index::{Content, ContentSource, Index, PageRef, Placement, TopContent},
         target::Target,
     },
-    kernel::procfs::{self, KpageFlags, Pagemap, PagemapEntry, ProcfsError, Vma},
-    kernel::ranges::RangeSet,
-    kernel::reader::{self, ProcMem, ReaderError},
+    kernel::{
+        procfs::{self, KpageFlags, Pagemap, PagemapEntry, ProcfsError, Vma},
+        ranges::RangeSet,
+        reader::{self, ProcMem, ReaderError},
+    },
 };
 
 const PAGE: usize = PAGE_SIZE as usize;

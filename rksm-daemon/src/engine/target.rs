@@ -138,9 +138,4 @@ impl Target {
     pub fn refresh(&mut self) {
         self.skipped = false;
     }
-
-    /// Forgets its page checksums (its scan failed half-way): every page is read next pass.
-    pub fn forget_pages(&mut self) {
-        self.pages = PageState::default();
-    }
 }

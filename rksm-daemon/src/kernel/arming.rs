@@ -23,11 +23,11 @@ use std::{
 
 use rksm_common::PAGE_SIZE;
 
-use crate::{
-    kernel::process::Process,
-    kernel::procfs::Vma,
-    kernel::ranges::{Range, RangeSet},
-    kernel::remote::{nr, RemoteError, RemoteSession},
+use crate::kernel::{
+    process::Process,
+    procfs::Vma,
+    ranges::{Range, RangeSet},
+    remote::{nr, RemoteError, RemoteSession},
 };
 
 const UFFD_API: u64 = 0xAA;

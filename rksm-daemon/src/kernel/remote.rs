@@ -24,7 +24,7 @@ use nix::{
     unistd::Pid,
 };
 
-use crate::{kernel::process::Process, kernel::procfs, kernel::reader::ProcMem};
+use crate::kernel::{process::Process, procfs, reader::ProcMem};
 
 /// System call numbers used remotely (the target's architecture is rksm's own: a compat
 /// process is never borrowed).

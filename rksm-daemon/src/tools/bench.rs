@@ -18,8 +18,10 @@ use std::{
 use serde::Serialize;
 
 use crate::{
-    kernel::ksmd::{self, KsmdOwner, KsmdSettings},
-    kernel::procfs,
+    kernel::{
+        ksmd::{self, KsmdOwner, KsmdSettings},
+        procfs,
+    },
     service::status,
     tools::workload::{Profile, WorkloadProcess},
 };
