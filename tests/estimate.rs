@@ -27,6 +27,7 @@ fn scanner_over(ranges: &[(u32, Region, u64)], checksum: ChecksumKind) -> Scanne
             checksum,
             only_ranges,
             collect_merge_candidates: false,
+            report_top: true,
         },
         Box::new(HashOnly),
     )

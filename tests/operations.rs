@@ -281,11 +281,11 @@ fn status_shows_a_running_daemon_as_text_json_and_metrics() {
     let metrics = String::from_utf8(metrics.stdout).unwrap();
     let sharing: u64 = metrics
         .lines()
-        .filter(|l| l.starts_with("rksm_pages_sharing{"))
+        .filter(|l| l.starts_with("rksm_ksm_merging_pages{"))
         .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
         .sum();
     assert!(sharing >= 64, "{metrics}");
-    for name in ["pages_shared", "pages_hashed_total"] {
+    for name in ["pages_marked", "pages_hashed_total", "dirty_misses_total"] {
         for (child, _) in &kids {
             let series = format!(
                 "rksm_{name}{{pid=\"{}\",comm=\"rksm-testchild\"}} ",
@@ -311,7 +311,7 @@ fn status_shows_a_running_daemon_as_text_json_and_metrics() {
         http.contains("# TYPE rksm_full_scans_total counter"),
         "{http}"
     );
-    assert!(http.contains("rksm_pages_sharing{pid="), "{http}");
+    assert!(http.contains("rksm_ksm_merging_pages{pid="), "{http}");
     assert!(http_get(port, "/").starts_with("HTTP/1.1 404"));
     assert_eq!(tcp_listeners_of(daemon.id()), 1);
 

@@ -11,7 +11,8 @@ pub const PAGE_SIZE: u64 = 4096;
 /// Mask that keeps the page part of a virtual address.
 pub const PAGE_MASK: u64 = !(PAGE_SIZE - 1);
 
-/// Where the program reads the fields of `exceptions:page_fault_user`.
+/// Where the program reads the fields of `exceptions:page_fault_user` and
+/// `exceptions:page_fault_kernel` (one event class, one layout).
 ///
 /// The daemon checks these against the tracepoint's format file before it loads the program
 /// and refuses to run if they differ: reading at a wrong offset would silently turn every
@@ -19,8 +20,11 @@ pub const PAGE_MASK: u64 = !(PAGE_SIZE - 1);
 pub mod tracepoint {
     /// Tracefs category of the tracepoint.
     pub const CATEGORY: &str = "exceptions";
-    /// Tracefs name of the tracepoint.
+    /// Tracefs name of the tracepoint of faults taken in user mode.
     pub const NAME: &str = "page_fault_user";
+    /// Tracefs name of the tracepoint of faults taken in kernel mode: the kernel writing into
+    /// a process's memory on its behalf (`read(2)` into a buffer, `recv(2)`).
+    pub const KERNEL_NAME: &str = "page_fault_kernel";
     /// `unsigned long address`: the faulting virtual address.
     pub const ADDRESS_OFFSET: usize = 8;
     /// `unsigned long ip`: the user instruction pointer (not used, checked for layout).
@@ -31,12 +35,17 @@ pub mod tracepoint {
     pub const FIELD_SIZE: usize = 8;
     /// x86 page-fault error code bit: the access was a write.
     pub const X86_PF_WRITE: u64 = 1 << 1;
+    /// User addresses are the lower canonical half on x86_64 (4- and 5-level paging alike):
+    /// a kernel-mode fault at or above this is the kernel's own memory.
+    pub const USER_ADDRESS_END: u64 = 1 << 63;
 }
 
 /// Names of the program and its maps, as the eBPF object spells them.
 pub mod names {
-    /// The tracepoint program.
+    /// The program on user-mode faults.
     pub const PROGRAM: &str = "rksm_page_fault_user";
+    /// The program on kernel-mode faults at user addresses.
+    pub const KERNEL_PROGRAM: &str = "rksm_page_fault_kernel";
     /// `HashMap<u32 tgid, TrackedProcess>`: which processes are traced, and their counters.
     pub const TRACKED: &str = "RKSM_TRACKED";
     /// `RingBuf` of [`WriteRecord`](crate::WriteRecord)s.

@@ -3,7 +3,8 @@
 //! A write to an anonymous page faults only when its PTE is not writable (first touch,
 //! copy-on-write, or a page rksm write-protected), so the write faults of a process are an
 //! approximation of a dirty bit that the daemon can arm. This program runs on every
-//! `exceptions:page_fault_user` event, keeps the write faults of the processes the daemon
+//! `exceptions:page_fault_user` event, and on every `exceptions:page_fault_kernel` event at a
+//! user address (the kernel writing into the process for it: `read(2)` into a buffer), keeps the write faults of the processes the daemon
 //! put in `RKSM_TRACKED`, and pushes one `(tgid, page)` record per fault into a ring the
 //! daemon drains. It never drops a write silently: when the ring is full the fault is
 //! counted as lost against its process, which the daemon then treats as entirely written.
@@ -23,7 +24,7 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::warn;
 use rksm_common::{
-    tracepoint::{ADDRESS_OFFSET, ERROR_CODE_OFFSET, X86_PF_WRITE},
+    tracepoint::{ADDRESS_OFFSET, ERROR_CODE_OFFSET, USER_ADDRESS_END, X86_PF_WRITE},
     TracerCounters, TrackedProcess, WriteRecord, DEFAULT_RING_BYTES, MAX_TRACKED, PAGE_MASK,
 };
 
@@ -39,6 +40,18 @@ static COUNTERS: PerCpuArray<TracerCounters> = PerCpuArray::with_max_entries(1, 
 #[tracepoint(category = "exceptions", name = "page_fault_user")]
 pub fn rksm_page_fault_user(ctx: TracePointContext) -> u32 {
     record_write_fault(&ctx);
+    0
+}
+
+/// The kernel writing into user memory for the process (copy_to_user in `read(2)`, `recv(2)`)
+/// faults in kernel mode. Faults on the kernel's own addresses are not the process's writes.
+#[tracepoint(category = "exceptions", name = "page_fault_kernel")]
+pub fn rksm_page_fault_kernel(ctx: TracePointContext) -> u32 {
+    // SAFETY: as in record_write_fault: a checked offset, read with bpf_probe_read_kernel.
+    match unsafe { ctx.read_at::<u64>(ADDRESS_OFFSET) } {
+        Ok(address) if address < USER_ADDRESS_END => record_write_fault(&ctx),
+        _ => {}
+    }
     0
 }
 

@@ -13,7 +13,7 @@ use anyhow::Context;
 use clap::Args;
 use rksm::{
     daemon::{mib, Daemon, DaemonConfig, DaemonError, DaemonStats, DirtyMode, DomainPolicy},
-    engine::{checksum::ChecksumKind, targets::TargetSpec},
+    engine::{checksum::ChecksumKind, dirty::DEFAULT_AUDIT_PASSES, targets::TargetSpec},
     service::{
         config::{ConfigFile, Seconds},
         status::{Status, StatusServer, DEFAULT_SOCKET},
@@ -50,6 +50,10 @@ pub struct DaemonOptions {
     /// Stop after this many passes.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     passes: Option<u64>,
+    /// ebpf mode: audit every armed page against the kernel's written bits once every N
+    /// passes, to find writes the tracer cannot see (process_vm_writev, O_DIRECT) [default: 8].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..=1000))]
+    audit_passes: Option<u64>,
     /// Print the final counters as one JSON object.
     #[arg(long)]
     json: bool,
@@ -71,6 +75,7 @@ struct Settings {
     interval: f64,
     duration: Option<f64>,
     passes: Option<u64>,
+    audit_passes: u32,
     json: bool,
     socket: PathBuf,
     metrics_address: Option<SocketAddr>,
@@ -88,6 +93,10 @@ impl DaemonOptions {
             interval: self.interval.or(file.interval).unwrap_or(5.0),
             duration: self.duration.or(file.duration),
             passes: self.passes.or(file.passes),
+            audit_passes: self
+                .audit_passes
+                .or(file.audit_passes)
+                .map_or(DEFAULT_AUDIT_PASSES, |n| n.clamp(1, 1000) as u32),
             json: self.json || file.json == Some(true),
             socket: self
                 .socket
@@ -188,6 +197,7 @@ fn serve(spec: TargetSpec, options: &Settings, child: Option<u32>) -> anyhow::Re
         dirty: options.dirty,
         checksum: options.checksum,
         domain: options.domain,
+        audit_passes: options.audit_passes,
         ..DaemonConfig::default()
     };
     let mut daemon = Daemon::start(config).map_err(|e| match e {

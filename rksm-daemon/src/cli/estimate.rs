@@ -54,6 +54,7 @@ pub fn run(args: EstimateArgs) -> anyhow::Result<()> {
     }
     let config = ScanConfig {
         checksum: args.checksum,
+        report_top: true,
         ..ScanConfig::default()
     };
     let mut scanner = Scanner::new(config, Box::new(HashOnly))?;

@@ -106,30 +106,28 @@ fn human(s: &Status, now: SystemTime) -> String {
     if let Some(run) = c.ksmd_taken_back {
         text += &format!("ksmd: run set to {run} by someone else; rksm no longer paces it\n");
     }
-    // One row format for the header and the targets. KERNEL: the process's pages mapped to
+    // One row format for the header and the targets. MERGED: the process's pages mapped to
     // KSM pages, as the kernel's /proc/PID/ksm_stat says.
     macro_rules! row {
         ($($field:expr),*) => {
-            format!("{:>8} {:<16} {:>9} {:>9} {:>9} {:>9} {:>12} {:>12} {:>9} {:>7}  {}\n", $($field),*)
+            format!("{:>8} {:<16} {:>9} {:>9} {:>12} {:>12} {:>9} {:>7} {:>7}  {}\n", $($field),*)
         };
     }
     text += "\n";
     text += &row!(
-        "PID", "COMM", "SHARING", "SHARED", "KERNEL", "MARKED", "HASHED", "SKIPPED", "FAULTS",
-        "COW", "DOMAIN"
+        "PID", "COMM", "MERGED", "MARKED", "HASHED", "SKIPPED", "FAULTS", "COW", "MISSES", "DOMAIN"
     );
     for t in &s.targets {
         text += &row!(
             t.pid,
             t.comm,
-            t.counters.pages_sharing,
-            t.counters.pages_shared,
             t.ksm_merging_pages.map_or("-".into(), |n| n.to_string()),
             t.counters.pages_marked,
             t.counters.pages_hashed,
             t.counters.pages_skipped_clean,
             t.counters.write_faults,
             t.counters.cow_breaks,
+            t.counters.dirty_misses,
             t.domain
         );
     }

@@ -37,7 +37,7 @@ use crate::{
     },
     engine::{
         checksum::ChecksumKind,
-        dirty::{DirtySource, EbpfSource, HashOnly, PagemapSource},
+        dirty::{DirtySource, EbpfSource, HashOnly, PagemapSource, DEFAULT_AUDIT_PASSES},
         merge::{Marker, MergePolicy, Run, REGION_SHIFT},
         scan::{PassReport, ScanConfig, Scanner},
         target::Target,
@@ -92,6 +92,8 @@ pub struct DaemonConfig {
     pub ksmd_sleep_millisecs: u64,
     /// Restrict scanning to these `(pid, start, end)` ranges (tests).
     pub only_ranges: Vec<(u32, u64, u64)>,
+    /// ebpf mode: passes over which every armed page is audited once.
+    pub audit_passes: u32,
 }
 
 impl Default for DaemonConfig {
@@ -107,6 +109,7 @@ impl Default for DaemonConfig {
             ksmd_sweep: Duration::from_millis(500),
             ksmd_sleep_millisecs: 20,
             only_ranges: Vec::new(),
+            audit_passes: DEFAULT_AUDIT_PASSES,
         }
     }
 }
@@ -131,9 +134,9 @@ pub enum DaemonError {
 /// The counters the daemon reports (names follow /sys/kernel/mm/ksm).
 #[derive(Debug, Clone, Default, Serialize, serde::Deserialize)]
 pub struct DaemonStats {
-    /// KSM frames in the targets (last pass).
+    /// KSM frames (ksmd's counter: every process's mergeable memory, not only the targets').
     pub pages_shared: u64,
-    /// Further mappings of KSM frames in the targets (last pass): the memory saved.
+    /// Further mappings of KSM frames, the memory saved (ksmd's counter, likewise).
     pub pages_sharing: u64,
     /// Marked pages ksmd found unique (ksmd's counter).
     pub pages_unshared: u64,
@@ -183,6 +186,12 @@ pub struct PassSummary {
     pub pages_hashed: u64,
     /// Pages skipped as clean this pass.
     pub pages_skipped_clean: u64,
+    /// Pagemap entries read this pass (a steady pass reads only the written pages').
+    #[serde(default)]
+    pub pagemap_pages: u64,
+    /// /proc/kpageflags reads this pass.
+    #[serde(default)]
+    pub kpageflags_reads: u64,
     /// Verified duplicates found this pass.
     pub duplicates: u64,
     /// Runs newly marked.
@@ -246,8 +255,8 @@ pub struct Daemon {
     domains: Domains,
     stats: DaemonStats,
     marking_syscalls: u64,
-    /// Runs marked in each of the last few passes, newest last.
-    recent_marks: VecDeque<u64>,
+    /// Work for ksmd found in each of the last few passes, newest last.
+    recent_work: VecDeque<u64>,
     started: SystemTime,
     last_pass: Option<PassSummary>,
 }
@@ -278,9 +287,10 @@ impl Daemon {
         let (mode, dirty): (DirtyMode, Box<dyn DirtySource>) = match (config.dirty, &recorder) {
             (DirtyMode::HashOnly, _) => (DirtyMode::HashOnly, Box::new(HashOnly)),
             (DirtyMode::Pagemap, _) => (DirtyMode::Pagemap, Box::new(PagemapSource::default())),
-            (DirtyMode::Ebpf | DirtyMode::Auto, Some(recorder)) => {
-                (DirtyMode::Ebpf, Box::new(EbpfSource::new(recorder.clone())))
-            }
+            (DirtyMode::Ebpf | DirtyMode::Auto, Some(recorder)) => (
+                DirtyMode::Ebpf,
+                Box::new(EbpfSource::new(recorder.clone(), config.audit_passes)),
+            ),
             (DirtyMode::Auto, None) if arming::supported() => {
                 (DirtyMode::Pagemap, Box::new(PagemapSource::default()))
             }
@@ -294,6 +304,7 @@ impl Daemon {
                 checksum: config.checksum,
                 only_ranges: config.only_ranges.clone(),
                 collect_merge_candidates: true,
+                report_top: false,
             },
             dirty,
         )?;
@@ -312,7 +323,7 @@ impl Daemon {
                 ..DaemonStats::default()
             },
             marking_syscalls: 0,
-            recent_marks: VecDeque::new(),
+            recent_work: VecDeque::new(),
             started: SystemTime::now(),
             last_pass: None,
         };
@@ -372,8 +383,14 @@ impl Daemon {
         between_scan_and_mark();
         let cow_breaks = self.account_cow_breaks(&report, now);
         let runs_marked = self.mark(&report, now);
+        let sharing_before = self.stats.pages_sharing;
         self.account(&report);
-        self.pace_ksmd();
+        // Work for ksmd: runs newly marked, duplicates newly found (in marked runs too: a page
+        // whose merge broke and that is a duplicate again), or ksmd still merging.
+        let work = runs_marked
+            + report.total.duplicate_pages
+            + u64::from(self.stats.pages_sharing != sharing_before);
+        self.pace_ksmd(work);
         let summary = PassSummary {
             number: self.stats.full_scans,
             ended_unix: unix_time(SystemTime::now()),
@@ -381,6 +398,8 @@ impl Daemon {
             targets: report.processes.len(),
             pages_hashed: report.total.pages_hashed,
             pages_skipped_clean: report.total.pages_skipped_clean,
+            pagemap_pages: report.total.pagemap_pages,
+            kpageflags_reads: report.total.kpageflags_reads,
             duplicates: report.total.duplicate_pages,
             runs_marked,
             cow_breaks,
@@ -419,9 +438,10 @@ impl Daemon {
 
     /// Drops `pid`'s record, and with it everything kept about the process.
     fn drop_target(&mut self, pid: u32) {
-        let Some(target) = self.targets.remove(&pid) else {
+        let Some(mut target) = self.targets.remove(&pid) else {
             return;
         };
+        self.scanner.forget(&mut target);
         if let Some(recorder) = &self.recorder {
             recorder.borrow_mut().forget(pid);
         }
@@ -559,7 +579,7 @@ impl Daemon {
             let broken: Vec<u64> = written
                 .iter()
                 .copied()
-                .filter(|page| target.merged.contains(page))
+                .filter(|page| target.merged.remove(page))
                 .collect();
             breaks += broken.len() as u64;
             target.counters.cow_breaks += broken.len() as u64;
@@ -569,11 +589,11 @@ impl Daemon {
                     backed_off.push((p.pid, region));
                 }
             }
-            target.merged = report
-                .ksm_pages
-                .get(&p.pid)
-                .map(|v| v.iter().copied().collect())
-                .unwrap_or_default();
+            // Pages looked at this pass and found mapped to KSM frames; with the verified
+            // duplicates marked (step 5), the pages a write would break.
+            if let Some(merged) = report.ksm_pages.get(&p.pid) {
+                target.merged.extend(merged.iter().copied());
+            }
         }
         // Backing off unmarks the region, so ksmd stops merging pages that do not stay merged.
         for (pid, region) in backed_off {
@@ -605,20 +625,30 @@ impl Daemon {
             }
         }
         let allow_gaps = self.domains.count() <= 1;
+        // A verified duplicate is found once, when it is placed; it stays a candidate until
+        // it is marked, written or unmapped (a domain's claim, a back-off or the marking
+        // budget may hold it back for a while).
+        for (pid, pages) in &report.merge_candidates {
+            if let Some(target) = self.targets.get_mut(pid) {
+                target.candidates.extend(pages.iter().copied());
+            }
+        }
         // In pid order, so which domain first marks a content does not depend on hashing.
-        let mut candidates: Vec<(&u32, &Vec<(u64, u64)>)> =
-            report.merge_candidates.iter().collect();
-        candidates.sort_unstable_by_key(|(pid, _)| **pid);
-        for (&pid, pages) in candidates {
-            let Some(target) = self.targets.get_mut(&pid) else {
+        for (&pid, target) in self.targets.iter_mut() {
+            if target.candidates.is_empty() {
                 continue;
-            };
+            }
             let Some((vmas, vma_count)) = report.vmas.get(&pid) else {
                 continue;
             };
             let domain = target.domain();
-            let mut mine = Vec::with_capacity(pages.len());
-            for &(page, sum) in pages {
+            let marked = &target.marked;
+            target.candidates.retain(|&page, _| !marked.contains(page));
+            let mut mine = Vec::with_capacity(target.candidates.len());
+            let mut pages: Vec<(u64, u64)> =
+                target.candidates.iter().map(|(&p, &s)| (p, s)).collect();
+            pages.sort_unstable();
+            for (page, sum) in pages {
                 if target.backoff.blocks(page, now) {
                     continue;
                 }
@@ -627,6 +657,9 @@ impl Daemon {
                     mine.push(page);
                 }
             }
+            // Marked verified duplicates are ksmd's to merge: a write to one breaks a merge,
+            // or one about to happen.
+            target.merged.extend(mine.iter().copied());
             let runs = self
                 .marker
                 .plan(pid, &target.marked, &mine, vmas, *vma_count, allow_gaps);
@@ -640,13 +673,11 @@ impl Daemon {
                 Err(RemoteError::Gone(_) | RemoteError::NewImage(_)) => {}
                 Err(e) => log::warn!("marking in pid {pid}: {e}"),
             }
+            let marked = &target.marked;
+            target.candidates.retain(|&page, _| !marked.contains(page));
         }
         for (pid, reason) in refusals {
             self.refuse_remote(pid, reason);
-        }
-        self.recent_marks.push_back(runs_marked);
-        if self.recent_marks.len() > 3 {
-            self.recent_marks.pop_front();
         }
         runs_marked
     }
@@ -655,8 +686,6 @@ impl Daemon {
     fn account(&mut self, report: &PassReport) {
         let s = &mut self.stats;
         s.full_scans += 1;
-        s.pages_shared = report.total.ksm_pages_shared;
-        s.pages_sharing = report.total.ksm_pages_sharing;
         s.pages_volatile = report.total.volatile_pages;
         s.pages_hashed += report.total.pages_hashed;
         s.pages_skipped_clean += report.total.pages_skipped_clean;
@@ -671,15 +700,17 @@ impl Daemon {
         for p in &report.processes {
             if let Some(t) = self.targets.get_mut(&p.pid) {
                 let c = &mut t.counters;
-                c.pages_shared = p.counts.ksm_pages_shared;
-                c.pages_sharing = p.counts.ksm_pages_sharing;
                 c.pages_volatile = p.counts.volatile_pages;
                 c.pages_hashed += p.counts.pages_hashed;
                 c.pages_skipped_clean += p.counts.pages_skipped_clean;
+                c.dirty_misses = t.dirty.misses;
                 c.pages_marked = t.marked.pages();
             }
         }
+        // The kernel's counts: a pass no longer looks at every merged page to count them.
         if let Ok(k) = ksmd::counters(&self.config.ksm_root) {
+            s.pages_shared = k.pages_shared;
+            s.pages_sharing = k.pages_sharing;
             s.pages_unshared = k.pages_unshared;
         }
         // One map lookup per target: its own count, and the daemon-wide sums.
@@ -696,18 +727,26 @@ impl Daemon {
         }
     }
 
-    /// Step 7: while new runs were marked in the last passes, pace ksmd to sweep the marked
-    /// set in about `ksmd_sweep` (it needs two sweeps to merge a page); once nothing new is
-    /// marked, let it fall back to its default pace, which is enough to re-merge the odd page
-    /// and costs little.
-    fn pace_ksmd(&mut self) {
-        let busy = self.recent_marks.iter().sum::<u64>() > 0;
-        let pages = if busy { self.stats.pages_marked } else { 0 };
-        let pace = ksmd::pace(
-            pages,
-            self.config.ksmd_sweep.as_secs_f64(),
-            self.config.ksmd_sleep_millisecs,
-        );
+    /// Step 7: while there is work for ksmd in the last passes, pace it to sweep the marked
+    /// set in about `ksmd_sweep` (it needs two sweeps to merge a page); once there is none,
+    /// put back the settings found at take-over (stopped, on a host that had not started
+    /// it): after convergence ksmd costs nothing, and an exact dirty bit says when it is
+    /// needed again.
+    fn pace_ksmd(&mut self, work: u64) {
+        self.recent_work.push_back(work);
+        if self.recent_work.len() > 3 {
+            self.recent_work.pop_front();
+        }
+        let busy = self.recent_work.iter().sum::<u64>() > 0;
+        let pace = if busy {
+            ksmd::pace(
+                self.stats.pages_marked,
+                self.config.ksmd_sweep.as_secs_f64(),
+                self.config.ksmd_sleep_millisecs,
+            )
+        } else {
+            ksmd::idle(self.ksmd.saved())
+        };
         if let Err(e) = self.ksmd.set(pace) {
             log::warn!("pacing ksmd: {e}");
         }

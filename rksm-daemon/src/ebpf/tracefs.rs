@@ -12,7 +12,7 @@ use std::{
 };
 
 use rksm_common::tracepoint::{
-    ADDRESS_OFFSET, CATEGORY, ERROR_CODE_OFFSET, FIELD_SIZE, IP_OFFSET, NAME,
+    ADDRESS_OFFSET, CATEGORY, ERROR_CODE_OFFSET, FIELD_SIZE, IP_OFFSET, KERNEL_NAME, NAME,
 };
 
 /// Where tracefs is looked for, in order (the second is the pre-4.1 location).
@@ -98,19 +98,22 @@ fn find() -> Option<&'static Path> {
     })
 }
 
-/// Reads the format file of `exceptions:page_fault_user` and checks that every field the
-/// program reads is where it reads it.
-pub fn check_page_fault_user_layout(tracefs: &Path) -> Result<(), TracefsError> {
-    let path = tracefs
-        .join("events")
-        .join(CATEGORY)
-        .join(NAME)
-        .join("format");
-    let text = fs::read_to_string(&path).map_err(|source| TracefsError::ReadFormat {
-        path: path.clone(),
-        source,
-    })?;
-    check_layout(&parse_format(&text))
+/// Reads the format files of `exceptions:page_fault_user` and `exceptions:page_fault_kernel`
+/// (one event class) and checks that every field the program reads is where it reads it.
+pub fn check_page_fault_layouts(tracefs: &Path) -> Result<(), TracefsError> {
+    for name in [NAME, KERNEL_NAME] {
+        let path = tracefs
+            .join("events")
+            .join(CATEGORY)
+            .join(name)
+            .join("format");
+        let text = fs::read_to_string(&path).map_err(|source| TracefsError::ReadFormat {
+            path: path.clone(),
+            source,
+        })?;
+        check_layout(&parse_format(&text))?;
+    }
+    Ok(())
 }
 
 /// Checks parsed fields against the offsets compiled into the program.

@@ -123,7 +123,7 @@ impl Tracer {
             return Err(TracerError::NotBuiltIn);
         }
         let tracefs = tracefs::ensure_mounted()?;
-        tracefs::check_page_fault_user_layout(tracefs)?;
+        tracefs::check_page_fault_layouts(tracefs)?;
 
         let load_err = |source| TracerError::Load {
             source,
@@ -147,15 +147,22 @@ impl Tracer {
             source,
             hint: privilege_hint(),
         };
-        let program: &mut TracePoint = ebpf
-            .program_mut(names::PROGRAM)
-            .ok_or(TracerError::Missing(names::PROGRAM))?
-            .try_into()
-            .map_err(attach_err)?;
-        program.load().map_err(attach_err)?;
-        program
-            .attach(tracepoint::CATEGORY, tracepoint::NAME)
-            .map_err(attach_err)?;
+        // User-mode write faults, and kernel-mode ones at user addresses (the kernel writing
+        // for the process): a dirty bit that missed the latter would miss read(2) buffers.
+        for (program, event) in [
+            (names::PROGRAM, tracepoint::NAME),
+            (names::KERNEL_PROGRAM, tracepoint::KERNEL_NAME),
+        ] {
+            let program: &mut TracePoint = ebpf
+                .program_mut(program)
+                .ok_or(TracerError::Missing(program))?
+                .try_into()
+                .map_err(attach_err)?;
+            program.load().map_err(attach_err)?;
+            program
+                .attach(tracepoint::CATEGORY, event)
+                .map_err(attach_err)?;
+        }
 
         let map_err = |map| move |source| TracerError::Map { map, source };
         let take = |ebpf: &mut Ebpf, name| ebpf.take_map(name).ok_or(TracerError::Missing(name));

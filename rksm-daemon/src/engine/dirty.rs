@@ -9,7 +9,9 @@
 //! keeps about a target lives in the target's record ([`DirtyState`]); a source itself holds
 //! only what all targets share (the recorder, a counter).
 
-use std::{cell::RefCell, collections::HashSet, rc::Rc};
+use std::{cell::RefCell, collections::HashSet, fs, rc::Rc};
+
+use rksm_common::PAGE_SIZE;
 
 use crate::{
     ebpf::recorder::{Recorder, TracerState},
@@ -17,7 +19,7 @@ use crate::{
         arming::{ArmError, Armed},
         process::Process,
         procfs::Vma,
-        ranges::RangeSet,
+        ranges::{Range, RangeSet},
         remote::{RemoteError, RemoteSession},
     },
 };
@@ -80,12 +82,24 @@ pub struct DirtyState {
     pub tracer: TracerState,
     /// Pages seen written after the last protection: dirty again next pass.
     carried: HashSet<u64>,
+    /// Why the target is tracked exactly (by PAGEMAP_SCAN over every armed page) rather than
+    /// by the tracer: it writes without faulting, as the audit found or a KVM vCPU shows.
+    exact: Option<String>,
+    /// Written pages the tracer missed and the audit found.
+    pub misses: u64,
+    /// Where the next audit slice starts.
+    audit_cursor: u64,
 }
 
 impl DirtyState {
     /// Whether the target's pages are write-protected between passes.
     pub fn armed(&self) -> bool {
         matches!(self.arming, Arming::Armed(_))
+    }
+
+    /// Why the tracer is not trusted for this target, if it is not.
+    pub fn exact(&self) -> Option<&str> {
+        self.exact.as_deref()
     }
 }
 
@@ -133,15 +147,13 @@ impl DirtySource for HashOnly {
 /// the ranges that were under protection all along (only their clean pages can be trusted).
 pub type Protected = (HashSet<u64>, RangeSet);
 
-/// Arms `process` if it is not yet, registers new VMAs, write-protects, and returns the pages
-/// written since the previous call with the armed ranges; `None` if it cannot be armed.
-fn protect(
+/// Arms `process` if it is not yet; the arming, or `None` if it cannot be armed.
+fn armed<'s>(
     process: &Process,
-    state: &mut DirtyState,
-    vmas: &[Vma],
+    arming: &'s mut Arming,
     remote_syscalls: &mut u64,
-) -> Option<Protected> {
-    if let Arming::NotYet = state.arming {
+) -> Option<&'s mut Armed> {
+    if let Arming::NotYet = arming {
         let armed = RemoteSession::begin(process)
             .map_err(ArmError::from)
             .and_then(|mut session| {
@@ -150,7 +162,7 @@ fn protect(
                 session.finish()?;
                 armed
             });
-        state.arming = match armed {
+        *arming = match armed {
             Ok(armed) => Arming::Armed(armed),
             // Exited or exec'd since it was opened: the next pass sees to it.
             Err(ArmError::Remote(RemoteError::Gone(_) | RemoteError::NewImage(_))) => return None,
@@ -163,9 +175,22 @@ fn protect(
             }
         };
     }
-    let Arming::Armed(armed) = &mut state.arming else {
-        return None;
-    };
+    match arming {
+        Arming::Armed(armed) => Some(armed),
+        _ => None,
+    }
+}
+
+/// Arms `process` if it is not yet, registers new VMAs, write-protects every armed page, and
+/// returns the pages written since the previous call with the armed ranges; `None` if it
+/// cannot be armed.
+fn protect(
+    process: &Process,
+    state: &mut DirtyState,
+    vmas: &[Vma],
+    remote_syscalls: &mut u64,
+) -> Option<Protected> {
+    let armed = armed(process, &mut state.arming, remote_syscalls)?;
     // Only ranges armed *before* this call (and still armed after protecting, which finds
     // ranges that lost their registration) have pages whose cleanliness can be trusted.
     let before = armed.armed_ranges().clone();
@@ -173,6 +198,55 @@ fn protect(
     let written = armed.protect();
     let trusted = before.intersection(armed.armed_ranges());
     Some((written, trusted))
+}
+
+/// The part of `ranges` to audit this pass: about 1/`passes` of their pages, from `cursor`
+/// on, wrapping around, so that every page is audited once every `passes` passes.
+fn audit_slice(ranges: &RangeSet, cursor: &mut u64, passes: u32) -> Vec<Range> {
+    let total = ranges.pages();
+    if total == 0 {
+        return Vec::new();
+    }
+    let mut budget = total.div_ceil(u64::from(passes.max(1)));
+    let mut slice = Vec::new();
+    let all = ranges.as_slice();
+    let first = all.partition_point(|r| r.end <= *cursor);
+    for (i, r) in all[first..].iter().chain(all).enumerate() {
+        let start = if i == 0 {
+            r.start.max(*cursor)
+        } else {
+            r.start
+        };
+        if budget == 0 || (i > 0 && i >= all.len() - first && r.start >= *cursor) {
+            break;
+        }
+        let take = ((r.end - start) / PAGE_SIZE).min(budget);
+        if take == 0 {
+            continue;
+        }
+        let end = start + take * PAGE_SIZE;
+        slice.push(Range::new(start, end));
+        budget -= take;
+        *cursor = end;
+    }
+    slice.sort_unstable_by_key(|r| r.start);
+    let mut set = RangeSet::default();
+    set.union(&slice);
+    set.as_slice().to_vec()
+}
+
+/// Whether `pid` holds a KVM vCPU or the KVM device: its guest's writes to its memory never
+/// fault in user mode, so the tracer cannot see them.
+pub fn holds_kvm(pid: u32) -> bool {
+    let Ok(fds) = fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    fds.flatten().any(|fd| {
+        fs::read_link(fd.path()).is_ok_and(|target| {
+            let target = target.to_string_lossy();
+            target == "/dev/kvm" || target.starts_with("anon_inode:kvm-vcpu")
+        })
+    })
 }
 
 /// `--dirty pagemap`: written bits straight from PAGEMAP_SCAN; the exact reference.
@@ -205,18 +279,30 @@ impl DirtySource for PagemapSource {
     }
 }
 
-/// `--dirty ebpf`: the write-fault tracer says which pages were written; PAGEMAP_SCAN only
-/// re-arms the write protection that makes every first write fault.
+/// Passes over which the audit covers every armed page once, by default. With the default
+/// 5 s interval a write the tracer cannot see (get_user_pages: `process_vm_writev`, O_DIRECT,
+/// io_uring fixed buffers) is found within 40 s, after which the target is tracked exactly;
+/// each pass walks an eighth of the armed pages with PAGEMAP_SCAN, a page-table walk that
+/// costs a few nanoseconds a page, where hashing costs hundreds.
+pub const DEFAULT_AUDIT_PASSES: u32 = 8;
+
+/// `--dirty ebpf`: the write-fault tracer says which pages were written, and only those are
+/// write-protected again (`UFFDIO_WRITEPROTECT`); an audit compares a rolling slice of the
+/// armed pages with the kernel's written bits, so that a write the tracer cannot see is
+/// found, rehashed and counted, and its target tracked exactly from then on.
 pub struct EbpfSource {
     recorder: Rc<RefCell<Recorder>>,
+    audit_passes: u32,
     remote_syscalls: u64,
 }
 
 impl EbpfSource {
-    /// A source over a recorder shared with the daemon (which drains it between passes).
-    pub fn new(recorder: Rc<RefCell<Recorder>>) -> Self {
+    /// A source over a recorder shared with the daemon (which drains it between passes),
+    /// auditing every armed page once every `audit_passes` passes.
+    pub fn new(recorder: Rc<RefCell<Recorder>>, audit_passes: u32) -> Self {
         EbpfSource {
             recorder,
+            audit_passes,
             remote_syscalls: 0,
         }
     }
@@ -238,22 +324,68 @@ impl DirtySource for EbpfSource {
         if let Err(e) = self.recorder.borrow_mut().track(pid, &mut state.tracer) {
             log::warn!("tracer cannot track pid {pid}: {e}");
         }
+        if first_time && state.exact.is_none() && holds_kvm(pid) {
+            let why = "it holds a KVM vCPU, whose guest writes without faulting";
+            log::info!("pid {pid}: tracking its writes with PAGEMAP_SCAN: {why}");
+            state.exact = Some(why.into());
+        }
         // Writes up to now; then protect; then writes that raced with protecting, which are
         // dirty now and, since they may land after the read, again next pass.
         let before = self.recorder.borrow_mut().take(pid, &mut state.tracer);
-        let Some((_, armed)) = protect(process, state, vmas, &mut self.remote_syscalls) else {
+        let carried = std::mem::take(&mut state.carried);
+        let Some(armed) = armed(process, &mut state.arming, &mut self.remote_syscalls) else {
             return Ok(DirtySet::All);
         };
+        let armed_before = armed.armed_ranges().clone();
+        armed.register(vmas);
+        let mut written: HashSet<u64>;
+        let audit;
+        if state.exact.is_some() {
+            written = armed.protect();
+            audit = None;
+        } else {
+            // Newly registered memory is protected for the first time; what was written
+            // since the last pass is protected again; a slice is audited.
+            let new = armed_before.minus(armed.armed_ranges().as_slice());
+            armed.scan_written(&new);
+            written = carried;
+            written.extend(before.pages.iter().copied());
+            armed.reprotect(&written);
+            let vouched = armed_before.intersection(armed.armed_ranges());
+            let slice = audit_slice(&vouched, &mut state.audit_cursor, self.audit_passes);
+            audit = Some(armed.scan_written(&slice));
+        }
+        let trusted = armed_before.intersection(armed.armed_ranges());
         let after = self.recorder.borrow_mut().take(pid, &mut state.tracer);
+        written.extend(after.pages.iter().copied());
+        if let Some(audit) = audit {
+            // Every fault is recorded before the kernel makes its page writable, so a page
+            // the audit saw written is in the records taken by now, unless it was written
+            // without a fault.
+            let missed = audit
+                .pages
+                .iter()
+                .filter(|p| !written.contains(p) && !audit.zero_page.contains(p))
+                .count() as u64;
+            written.extend(audit.pages);
+            if missed > 0 {
+                state.misses += missed;
+                let why = format!(
+                    "the kernel saw {missed} page(s) written that the tracer did not (writes \
+                     without a fault: process_vm_writev, O_DIRECT, io_uring, a KVM guest)"
+                );
+                log::warn!("pid {pid}: tracking its writes with PAGEMAP_SCAN from now on: {why}");
+                state.exact = Some(why);
+            }
+        }
+        state.carried = after.pages;
         if first_time || before.lost || after.lost || !state.tracer.tracked() {
-            state.carried = after.pages;
             return Ok(DirtySet::All);
         }
-        let mut written = std::mem::take(&mut state.carried);
-        written.extend(before.pages);
-        written.extend(after.pages.iter().copied());
-        state.carried = after.pages;
-        Ok(DirtySet::Only { written, armed })
+        Ok(DirtySet::Only {
+            written,
+            armed: trusted,
+        })
     }
 
     fn remote_syscalls(&self) -> u64 {

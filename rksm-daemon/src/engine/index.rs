@@ -1,28 +1,36 @@
-//! The dedup index: KSM's stable and unstable trees, keyed by checksum, decided by content.
+//! The dedup index: KSM's stable and unstable trees, kept from pass to pass.
 //!
 //! KSM finds identical pages with two trees. The *unstable tree* holds pages whose checksum
-//! did not change since the previous pass (the checksum gate) and is rebuilt from scratch on
-//! every pass, because its pages can change under it. The *stable tree* holds contents that are
-//! already merged and persists. rksm keeps those semantics. Its trees are B-trees keyed by
-//! checksum (a B-tree beats node-per-entry trees at millions of entries), and each key leads to
-//! a chain of *content classes*: pages whose contents were compared equal, byte for byte. A
-//! checksum only says where to look; two pages join a class only after their contents compare
-//! equal, so a collision (crc32c has one in ~78,000 random pages) costs a comparison, never a
-//! wrong answer.
+//! did not change since the previous pass (the checksum gate); KSM rebuilds it from scratch on
+//! every pass, because it cannot know which of its pages changed since they were inserted.
+//! The *stable tree* holds contents that are already merged. rksm knows which pages changed:
+//! the scan takes a page out of the index when the dirty source says it was written (or, in
+//! hash-only mode, when it is hashed again), and puts it back once it has passed the gate. So
+//! the index persists, and a page that stays clean costs nothing in it after its first
+//! placement. A class is "stable" once one of its pages was a KSM page: a page with that
+//! content is a duplicate even if it is new, as in KSM's stable tree.
 //!
-//! To compare, the index needs the content of a class's representative page, which lives in
-//! another process. It keeps a bounded cache of representatives that have duplicates (the ones
-//! compared again and again) and re-reads the others through a [`ContentSource`]. A
-//! representative that can no longer be read, or whose checksum moved, makes its class *stale*:
-//! it is never matched again, and the next page with that content starts a new class.
+//! Each checksum leads to *content classes*: pages whose contents were compared equal, byte
+//! for byte. A checksum only says where to look; a page joins a class only after its content
+//! compares equal to the class's representative, so a collision (crc32c has one in ~78,000
+//! random pages) costs a comparison, never a wrong answer. A content held by one page costs
+//! 24 bytes of hash table; a class with more pages holds them in a list, or a set once large.
+//!
+//! To compare, the index reads the representative's content from its process through a
+//! [`ContentSource`] (a bounded cache keeps the ones compared again and again). A
+//! representative that can no longer be read, or whose content no longer has its checksum,
+//! leaves its class and is reported in [`Index::take_stale`], so that its owner hashes it
+//! again: the index never holds a page under a checksum it is known not to have.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{hash_map::Entry, HashMap, HashSet, VecDeque};
 
 use rksm_common::PAGE_SIZE;
 
 use crate::engine::checksum::{ChecksumKind, PageChecksum};
 
 const PAGE: usize = PAGE_SIZE as usize;
+/// A class's page list becomes a set past this many pages, so leaving it stays O(1).
+const FEW: usize = 32;
 
 /// One page of one process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -46,48 +54,25 @@ pub enum Content<'a> {
     Loaded(&'a [u8]),
     /// Mapped to the kernel's zero page: all zeros, nothing to read.
     Zero,
-    /// Not read this pass (the dirty source says it is clean); read it only if a comparison
-    /// needs it, and check it still has the checksum recorded for it.
+    /// Not read this pass (the dirty source says it is unchanged since it was hashed); read
+    /// it only if a comparison needs it, and check it still has its checksum.
     Unread,
-    /// Clean, and already marked mergeable: no decision depends on it any more (ksmd
-    /// compares contents itself before merging), so it joins the first live class with its
-    /// checksum without being read. Under a checksum collision that miscounts a duplicate;
-    /// it never marks anything.
-    Settled,
 }
 
 /// Where a page ended up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Placement {
-    /// The first page seen with this content this pass: it stays.
+    /// The only page with this content: it stays.
     Unique,
-    /// Its content equals an earlier page's (or a merged page's): merging would free it.
+    /// Its content equals another page's (or a merged page's): merging would free it.
     Duplicate {
-        /// The first page seen with this content (its class's representative): marking both
-        /// lets ksmd merge them.
+        /// The class's representative: marking both lets ksmd merge them.
         of: PageRef,
     },
-    /// Its checksum changed since the previous pass: kept out of the unstable tree.
+    /// Its checksum changed since it was last hashed: kept out of the unstable tree.
     Volatile,
     /// Its content was needed for a comparison but could not be read.
     Vanished,
-}
-
-/// Index of a content class within one tree.
-type ClassId = u32;
-const NONE: ClassId = ClassId::MAX;
-
-/// Pages with one content (compared equal). 24 bytes: the checksum is the tree's key.
-#[derive(Debug, Clone)]
-struct Class {
-    rep_addr: u64,
-    rep_pid: u32,
-    /// Pages placed in this class this pass.
-    copies: u32,
-    /// Next class with the same checksum (a collision chain), or NONE.
-    next: ClassId,
-    stale: bool,
-    zero: bool,
 }
 
 /// A most-duplicated content.
@@ -95,7 +80,7 @@ struct Class {
 pub struct TopContent {
     /// Its checksum.
     pub checksum: u64,
-    /// Pages holding it this pass.
+    /// Pages holding it.
     pub copies: u32,
     /// Whether it is the all-zero page.
     pub zero: bool,
@@ -103,200 +88,137 @@ pub struct TopContent {
     pub pids: Vec<u32>,
 }
 
+/// The pages of a class.
+#[derive(Debug, Clone)]
+enum Members {
+    Few(Vec<PageRef>),
+    Many { rep: PageRef, all: HashSet<PageRef> },
+}
+
+impl Members {
+    fn len(&self) -> usize {
+        match self {
+            Members::Few(v) => v.len(),
+            Members::Many { all, .. } => all.len(),
+        }
+    }
+
+    fn rep(&self) -> Option<PageRef> {
+        match self {
+            Members::Few(v) => v.first().copied(),
+            Members::Many { rep, .. } => Some(*rep),
+        }
+    }
+
+    fn add(&mut self, page: PageRef) {
+        match self {
+            Members::Few(v) if v.len() < FEW => v.push(page),
+            Members::Few(v) => {
+                let rep = v[0];
+                let mut all: HashSet<PageRef> = v.drain(..).collect();
+                all.insert(page);
+                *self = Members::Many { rep, all };
+            }
+            Members::Many { all, .. } => {
+                all.insert(page);
+            }
+        }
+    }
+
+    fn remove(&mut self, page: PageRef) -> bool {
+        match self {
+            Members::Few(v) => match v.iter().position(|&p| p == page) {
+                Some(i) => {
+                    v.remove(i);
+                    true
+                }
+                None => false,
+            },
+            Members::Many { rep, all } => {
+                if !all.remove(&page) {
+                    return false;
+                }
+                if *rep == page {
+                    if let Some(&next) = all.iter().next() {
+                        *rep = next;
+                    }
+                }
+                true
+            }
+        }
+    }
+
+    fn iter(&self) -> Box<dyn Iterator<Item = PageRef> + '_> {
+        match self {
+            Members::Few(v) => Box::new(v.iter().copied()),
+            Members::Many { all, .. } => Box::new(all.iter().copied()),
+        }
+    }
+}
+
+/// Pages with one content (compared equal).
+#[derive(Debug, Clone)]
+struct Class {
+    members: Members,
+    stable: bool,
+    zero: bool,
+}
+
+/// A content held by one page: 16 bytes.
+#[derive(Debug, Clone, Copy)]
+struct Single {
+    addr: u64,
+    pid: u32,
+    stable: bool,
+    zero: bool,
+}
+
+impl Single {
+    fn page(self) -> PageRef {
+        PageRef {
+            pid: self.pid,
+            addr: self.addr,
+        }
+    }
+
+    fn class(self) -> Class {
+        Class {
+            members: Members::Few(vec![self.page()]),
+            stable: self.stable,
+            zero: self.zero,
+        }
+    }
+}
+
 /// Representative contents kept in memory, first in first out.
 #[derive(Debug, Default)]
 struct RepCache {
-    pages: HashMap<ClassId, Box<[u8; PAGE]>>,
-    order: VecDeque<ClassId>,
+    pages: HashMap<PageRef, Box<[u8; PAGE]>>,
+    order: VecDeque<PageRef>,
     capacity: usize,
 }
 
 impl RepCache {
-    fn insert(&mut self, id: ClassId, content: &[u8; PAGE]) {
-        if self.capacity == 0 || self.pages.contains_key(&id) {
+    fn insert(&mut self, page: PageRef, content: &[u8; PAGE]) {
+        if self.capacity == 0 || self.pages.contains_key(&page) {
             return;
         }
-        if self.order.len() == self.capacity {
-            if let Some(old) = self.order.pop_front() {
-                self.pages.remove(&old);
-            }
-        }
-        self.pages.insert(id, Box::new(*content));
-        self.order.push_back(id);
-    }
-
-    fn clear(&mut self) {
-        self.pages.clear();
-        self.order.clear();
-    }
-}
-
-/// One tree: checksum → chain of content classes.
-#[derive(Debug, Default)]
-struct ContentTree {
-    heads: BTreeMap<u64, ClassId>,
-    classes: Vec<Class>,
-    /// Processes holding each class that has more than one copy (for the top-N report).
-    holders: HashMap<ClassId, Vec<u32>>,
-    cache: RepCache,
-}
-
-enum Lookup {
-    Found(ClassId),
-    Missing,
-    Vanished,
-}
-
-impl ContentTree {
-    fn with_cache(capacity: usize) -> Self {
-        ContentTree {
-            cache: RepCache {
-                capacity,
-                ..RepCache::default()
-            },
-            ..ContentTree::default()
-        }
-    }
-
-    fn clear(&mut self) {
-        self.heads.clear();
-        self.classes.clear();
-        self.holders.clear();
-        self.cache.clear();
-    }
-
-    /// Finds the class whose content equals the page's, comparing contents.
-    fn find(
-        &mut self,
-        checksum: u64,
-        page: &mut PageUnderTest<'_>,
-        src: &mut dyn ContentSource,
-        hash: PageChecksum,
-    ) -> Lookup {
-        let mut id = self.heads.get(&checksum).copied().unwrap_or(NONE);
-        let mut rep = [0u8; PAGE];
-        while id != NONE {
-            let class = &self.classes[id as usize];
-            let next = class.next;
-            if !class.stale && matches!(page.content, Content::Settled) {
-                return Lookup::Found(id);
-            }
-            if !class.stale {
-                let rep_content: &[u8; PAGE] = if class.zero {
-                    &ZERO_PAGE
-                } else if let Some(cached) = self.cache.pages.get(&id) {
-                    cached
-                } else {
-                    let rep_page = PageRef {
-                        pid: class.rep_pid,
-                        addr: class.rep_addr,
-                    };
-                    if !src.read(rep_page, &mut rep) || hash(&rep) != checksum {
-                        self.classes[id as usize].stale = true;
-                        id = next;
-                        continue;
-                    }
-                    &rep
-                };
-                match page.content(src, hash, checksum) {
-                    None => return Lookup::Vanished,
-                    Some(mine) if mine == &rep_content[..] => {
-                        if !self.cache.pages.contains_key(&id) {
-                            let rep_copy = *rep_content;
-                            self.cache.insert(id, &rep_copy);
-                        }
-                        return Lookup::Found(id);
-                    }
-                    Some(_) => {}
+        while self.order.len() >= self.capacity {
+            match self.order.pop_front() {
+                Some(old) => {
+                    self.pages.remove(&old);
                 }
+                None => break,
             }
-            id = next;
         }
-        Lookup::Missing
+        self.pages.insert(page, Box::new(*content));
+        self.order.push_back(page);
     }
 
-    /// Adds a page of `pid` to class `id`; returns the class's representative.
-    fn join(&mut self, id: ClassId, pid: u32) -> PageRef {
-        let class = &mut self.classes[id as usize];
-        class.copies += 1;
-        let rep_pid = class.rep_pid;
-        let rep = PageRef {
-            pid: rep_pid,
-            addr: class.rep_addr,
-        };
-        let holders = self.holders.entry(id).or_insert_with(|| vec![rep_pid]);
-        if !holders.contains(&pid) {
-            holders.push(pid);
+    fn forget(&mut self, page: PageRef) {
+        if self.pages.remove(&page).is_some() {
+            self.order.retain(|&p| p != page);
         }
-        rep
-    }
-
-    fn insert(&mut self, checksum: u64, page: PageRef, zero: bool) -> ClassId {
-        let id = self.classes.len() as ClassId;
-        let next = self.heads.insert(checksum, id).unwrap_or(NONE);
-        self.classes.push(Class {
-            rep_addr: page.addr,
-            rep_pid: page.pid,
-            copies: 1,
-            next,
-            stale: false,
-            zero,
-        });
-        id
-    }
-
-    /// Every class with its checksum.
-    fn classes_with_checksums(&self) -> impl Iterator<Item = (u64, ClassId)> + '_ {
-        self.heads.iter().flat_map(move |(&checksum, &head)| {
-            std::iter::successors(Some(head), move |&id| {
-                Some(self.classes[id as usize].next).filter(|&n| n != NONE)
-            })
-            .map(move |id| (checksum, id))
-        })
-    }
-
-    /// Starts a pass for a tree that persists: counts restart, stale classes go.
-    fn begin_pass_keeping_classes(&mut self) {
-        let live: Vec<(u64, Class)> = self
-            .classes_with_checksums()
-            .map(|(checksum, id)| (checksum, self.classes[id as usize].clone()))
-            .filter(|(_, class)| !class.stale)
-            .collect();
-        self.clear();
-        for (checksum, class) in live {
-            let page = PageRef {
-                pid: class.rep_pid,
-                addr: class.rep_addr,
-            };
-            let id = self.insert(checksum, page, class.zero);
-            self.classes[id as usize].copies = 0;
-        }
-    }
-
-    /// Empties the tree, with room for `classes` classes, so that filling it never doubles
-    /// the class vector (which would cost up to 24 more bytes per page).
-    fn reset_with_capacity(&mut self, classes: usize) {
-        self.clear();
-        self.classes = Vec::with_capacity(classes);
-    }
-
-    fn top(&self) -> impl Iterator<Item = TopContent> + '_ {
-        let checksums: HashMap<ClassId, u64> = self
-            .classes_with_checksums()
-            .filter(|(_, id)| self.holders.contains_key(id))
-            .map(|(checksum, id)| (id, checksum))
-            .collect();
-        self.holders.iter().map(move |(&id, pids)| {
-            let class = &self.classes[id as usize];
-            let mut pids = pids.clone();
-            pids.sort_unstable();
-            TopContent {
-                checksum: checksums[&id],
-                copies: class.copies,
-                zero: class.zero,
-                pids,
-            }
-        })
     }
 }
 
@@ -320,7 +242,7 @@ impl PageUnderTest<'_> {
         match self.content {
             Content::Loaded(bytes) => Some(bytes),
             Content::Zero => Some(&ZERO_PAGE),
-            Content::Unread | Content::Settled => {
+            Content::Unread => {
                 if self.loaded.is_none() && !self.vanished {
                     let mut buf = Box::new([0u8; PAGE]);
                     // A page the dirty source called clean must still have its checksum; if
@@ -337,18 +259,37 @@ impl PageUnderTest<'_> {
     }
 }
 
-/// The stable and unstable trees, with KSM's rules for placing a page.
+/// Where a content was found.
+enum Found {
+    Single,
+    Class(usize),
+}
+
+enum Lookup {
+    Found(Found),
+    Missing,
+    Vanished,
+}
+
+/// The classes of one merge domain, with KSM's rules for placing a page.
 #[derive(Debug)]
 pub struct Index {
     hash: PageChecksum,
     zero_checksum: u64,
-    stable: ContentTree,
-    unstable: ContentTree,
-    /// Pages placed in the current pass, to size the next pass's unstable tree.
-    placed: usize,
+    /// Contents held by one page (by far the most), each alone under its checksum.
+    singles: HashMap<u64, Single>,
+    /// Checksums with a class of several pages, or several classes (collisions).
+    groups: HashMap<u64, Vec<Class>>,
+    cache: RepCache,
+    /// Pages in the index.
+    pages: u64,
+    /// Classes in the index.
+    contents: u64,
+    /// Pages found changed or gone while comparing, taken out of the index.
+    stale: Vec<PageRef>,
 }
 
-/// Representatives kept in memory per tree: 4096 pages, 16 MiB.
+/// Representatives kept in memory: 4096 pages, 16 MiB.
 pub const DEFAULT_CACHE_PAGES: usize = 4096;
 
 impl Index {
@@ -357,7 +298,7 @@ impl Index {
         Self::with_cache(kind, DEFAULT_CACHE_PAGES)
     }
 
-    /// An empty index that keeps at most `cache_pages` representative contents per tree.
+    /// An empty index that keeps at most `cache_pages` representative contents.
     pub fn with_cache(kind: ChecksumKind, cache_pages: usize) -> Self {
         Self::with_checksum(kind.function(), cache_pages)
     }
@@ -367,24 +308,32 @@ impl Index {
         Index {
             hash,
             zero_checksum: hash(&ZERO_PAGE),
-            stable: ContentTree::with_cache(cache_pages),
-            unstable: ContentTree::with_cache(cache_pages),
-            placed: 0,
+            singles: HashMap::new(),
+            groups: HashMap::new(),
+            cache: RepCache {
+                capacity: cache_pages,
+                ..RepCache::default()
+            },
+            pages: 0,
+            contents: 0,
+            stale: Vec::new(),
         }
     }
 
-    /// Starts a pass: the unstable tree is emptied, the stable tree keeps its contents.
-    pub fn begin_pass(&mut self) {
-        // At most every page placed last pass enters the unstable tree this pass.
-        self.unstable
-            .reset_with_capacity(self.placed + self.placed / 16);
-        self.placed = 0;
-        self.stable.begin_pass_keeping_classes();
+    /// Pages in the index and distinct contents among them.
+    pub fn counts(&self) -> (u64, u64) {
+        (self.pages, self.contents)
     }
 
-    /// Places one page, following KSM: a merged page (`ksm`) goes to the stable tree; any
-    /// other page is first looked up in the stable tree, then must pass the checksum gate
-    /// (`checksum == previous`), then is looked up in or added to the unstable tree.
+    /// Pages found changed or unreadable while comparing since the last call: they left the
+    /// index, and their owners must hash them again.
+    pub fn take_stale(&mut self) -> Vec<PageRef> {
+        std::mem::take(&mut self.stale)
+    }
+
+    /// Places one page, following KSM: a page equal to merged content (a stable class), or a
+    /// merged page itself (`ksm`), is placed whatever the gate says; any other page must pass
+    /// the checksum gate (`checksum == previous`) before it joins or starts a class.
     pub fn place(
         &mut self,
         page: PageRef,
@@ -394,94 +343,278 @@ impl Index {
         content: Content<'_>,
         src: &mut dyn ContentSource,
     ) -> Placement {
-        let hash = self.hash;
-        self.placed += 1;
         let mut under_test = PageUnderTest {
             page,
             content,
             loaded: None,
             vanished: false,
         };
-        if ksm {
-            // Merged content may also sit in the unstable tree already (an unmerged copy seen
-            // earlier this pass): then this page is the extra copy.
-            let in_unstable = match self.unstable.find(checksum, &mut under_test, src, hash) {
-                Lookup::Found(id) => Some(self.unstable.join(id, page.pid)),
-                Lookup::Vanished => return Placement::Vanished,
-                Lookup::Missing => None,
-            };
-            return match self.stable.find(checksum, &mut under_test, src, hash) {
-                Lookup::Found(id) => Placement::Duplicate {
-                    of: self.stable.join(id, page.pid),
-                },
-                Lookup::Vanished => Placement::Vanished,
-                Lookup::Missing => {
-                    let zero = self.is_zero(checksum, &mut under_test, src);
-                    self.stable.insert(checksum, page, zero);
-                    match in_unstable {
-                        Some(of) => Placement::Duplicate { of },
-                        None => Placement::Unique,
-                    }
-                }
-            };
-        }
-        match self.stable.find(checksum, &mut under_test, src, hash) {
-            Lookup::Found(id) => {
-                return Placement::Duplicate {
-                    of: self.stable.join(id, page.pid),
-                }
-            }
-            Lookup::Vanished => return Placement::Vanished,
-            Lookup::Missing => {}
-        }
-        if checksum != previous {
-            return Placement::Volatile;
-        }
-        match self.unstable.find(checksum, &mut under_test, src, hash) {
-            Lookup::Found(id) => Placement::Duplicate {
-                of: self.unstable.join(id, page.pid),
-            },
+        let gate = ksm || checksum == previous;
+        match self.find(checksum, &mut under_test, src) {
             Lookup::Vanished => Placement::Vanished,
+            Lookup::Found(found) => {
+                let (rep, stable) = match &found {
+                    Found::Single => {
+                        let s = self.singles[&checksum];
+                        (s.page(), s.stable)
+                    }
+                    Found::Class(i) => {
+                        let c = &self.groups[&checksum][*i];
+                        (c.members.rep().unwrap_or(page), c.stable)
+                    }
+                };
+                if !(gate || stable) {
+                    return Placement::Volatile;
+                }
+                self.join(checksum, found, page, ksm);
+                Placement::Duplicate { of: rep }
+            }
+            Lookup::Missing if !gate => Placement::Volatile,
             Lookup::Missing => {
-                let zero = self.is_zero(checksum, &mut under_test, src);
+                let zero = checksum == self.zero_checksum
+                    && under_test
+                        .content(src, self.hash, checksum)
+                        .is_some_and(|c| c.iter().all(|&b| b == 0));
                 if under_test.vanished {
                     return Placement::Vanished;
                 }
-                self.unstable.insert(checksum, page, zero);
+                self.insert(checksum, page, ksm, zero);
                 Placement::Unique
             }
         }
     }
 
-    fn is_zero(
-        &self,
+    /// Takes `page` (held under `checksum`) out of the index; false if it was not in it.
+    pub fn remove(&mut self, page: PageRef, checksum: u64) -> bool {
+        self.cache.forget(page);
+        if let Entry::Occupied(e) = self.singles.entry(checksum) {
+            if e.get().page() == page {
+                e.remove();
+                self.pages -= 1;
+                self.contents -= 1;
+                return true;
+            }
+            return false;
+        }
+        let Some(classes) = self.groups.get_mut(&checksum) else {
+            return false;
+        };
+        let Some(i) = classes.iter_mut().position(|c| c.members.remove(page)) else {
+            return false;
+        };
+        self.pages -= 1;
+        if classes[i].members.len() == 0 {
+            classes.swap_remove(i);
+            self.contents -= 1;
+        }
+        self.tidy(checksum);
+        true
+    }
+
+    /// Keeps a checksum with one class of one page in `singles`, and none empty.
+    fn tidy(&mut self, checksum: u64) {
+        let Some(classes) = self.groups.get(&checksum) else {
+            return;
+        };
+        match classes.as_slice() {
+            [] => {
+                self.groups.remove(&checksum);
+            }
+            [only] if only.members.len() == 1 => {
+                let (stable, zero) = (only.stable, only.zero);
+                if let Some(page) = only.members.rep() {
+                    self.singles.insert(
+                        checksum,
+                        Single {
+                            addr: page.addr,
+                            pid: page.pid,
+                            stable,
+                            zero,
+                        },
+                    );
+                }
+                self.groups.remove(&checksum);
+            }
+            _ => {}
+        }
+    }
+
+    fn insert(&mut self, checksum: u64, page: PageRef, stable: bool, zero: bool) {
+        self.pages += 1;
+        self.contents += 1;
+        let single = Single {
+            addr: page.addr,
+            pid: page.pid,
+            stable,
+            zero,
+        };
+        if let Some(old) = self.singles.remove(&checksum) {
+            self.groups
+                .insert(checksum, vec![old.class(), single.class()]);
+        } else if let Some(classes) = self.groups.get_mut(&checksum) {
+            classes.push(single.class());
+        } else {
+            self.singles.insert(checksum, single);
+        }
+    }
+
+    fn join(&mut self, checksum: u64, found: Found, page: PageRef, ksm: bool) {
+        self.pages += 1;
+        match found {
+            Found::Single => {
+                if let Some(single) = self.singles.remove(&checksum) {
+                    let mut class = single.class();
+                    class.members.add(page);
+                    class.stable |= ksm;
+                    self.groups.insert(checksum, vec![class]);
+                }
+            }
+            Found::Class(i) => {
+                if let Some(class) = self.groups.get_mut(&checksum).and_then(|c| c.get_mut(i)) {
+                    class.members.add(page);
+                    class.stable |= ksm;
+                }
+            }
+        }
+    }
+
+    /// Reads `rep`'s content into `buf` (or finds it cached) if it still has `checksum`.
+    fn rep_content<'b>(
+        &'b self,
+        rep: PageRef,
+        checksum: u64,
+        src: &mut dyn ContentSource,
+        buf: &'b mut [u8; PAGE],
+    ) -> Option<&'b [u8; PAGE]> {
+        if let Some(cached) = self.cache.pages.get(&rep) {
+            return Some(cached);
+        }
+        (src.read(rep, buf) && (self.hash)(&buf[..]) == checksum).then_some(&*buf)
+    }
+
+    /// Finds the class whose content equals the page's, comparing contents. Pages of the
+    /// class that turn out changed or gone leave it (see [`Index::take_stale`]).
+    fn find(
+        &mut self,
         checksum: u64,
         page: &mut PageUnderTest<'_>,
         src: &mut dyn ContentSource,
-    ) -> bool {
-        checksum == self.zero_checksum
-            && page
-                .content(src, self.hash, checksum)
-                .is_some_and(|c| c.iter().all(|&b| b == 0))
+    ) -> Lookup {
+        let hash = self.hash;
+        let mut buf = Box::new([0u8; PAGE]);
+        if let Some(single) = self.singles.get(&checksum).copied() {
+            let rep = single.page();
+            let rep_content = if single.zero {
+                Some(&ZERO_PAGE)
+            } else {
+                self.rep_content(rep, checksum, src, &mut buf)
+            };
+            let Some(rep_content) = rep_content.copied() else {
+                self.remove(rep, checksum);
+                self.stale.push(rep);
+                return Lookup::Missing;
+            };
+            return match page.content(src, hash, checksum) {
+                None => Lookup::Vanished,
+                Some(mine) if mine == &rep_content[..] => {
+                    self.cache.insert(rep, &rep_content);
+                    Lookup::Found(Found::Single)
+                }
+                Some(_) => Lookup::Missing,
+            };
+        }
+        let mut i = 0;
+        loop {
+            let Some(class) = self.groups.get(&checksum).and_then(|c| c.get(i)) else {
+                return Lookup::Missing;
+            };
+            let zero = class.zero;
+            let Some(rep) = class.members.rep() else {
+                i += 1;
+                continue;
+            };
+            let rep_content = if zero {
+                Some(&ZERO_PAGE)
+            } else {
+                self.rep_content(rep, checksum, src, &mut buf)
+            };
+            let Some(rep_content) = rep_content.copied() else {
+                // The representative changed or is gone: it leaves, and the class's next
+                // page stands for it (the loop looks at the same class again).
+                self.remove(rep, checksum);
+                self.stale.push(rep);
+                if self.groups.get(&checksum).is_none_or(|c| c.len() <= i) {
+                    // The class went, or the checksum moved to `singles`.
+                    if self.singles.contains_key(&checksum) {
+                        return self.find(checksum, page, src);
+                    }
+                    return Lookup::Missing;
+                }
+                continue;
+            };
+            match page.content(src, hash, checksum) {
+                None => return Lookup::Vanished,
+                Some(mine) if mine == &rep_content[..] => {
+                    self.cache.insert(rep, &rep_content);
+                    return Lookup::Found(Found::Class(i));
+                }
+                Some(_) => i += 1,
+            }
+        }
     }
 
-    /// The `n` contents with the most copies this pass, most first.
+    /// The `n` contents with the most copies, most first.
     pub fn top(&self, n: usize) -> Vec<TopContent> {
-        let mut all: Vec<TopContent> = self.stable.top().chain(self.unstable.top()).collect();
-        all.sort_unstable_by(|a, b| b.copies.cmp(&a.copies).then(a.checksum.cmp(&b.checksum)));
+        let mut all: Vec<(u64, &Class)> = self
+            .groups
+            .iter()
+            .flat_map(|(&sum, classes)| classes.iter().map(move |c| (sum, c)))
+            .filter(|(_, c)| c.members.len() > 1)
+            .collect();
+        all.sort_unstable_by(|a, b| {
+            b.1.members
+                .len()
+                .cmp(&a.1.members.len())
+                .then(a.0.cmp(&b.0))
+        });
         all.truncate(n);
-        all
+        all.into_iter()
+            .map(|(checksum, class)| {
+                let mut pids: Vec<u32> = class.members.iter().map(|p| p.pid).collect();
+                pids.sort_unstable();
+                pids.dedup();
+                TopContent {
+                    checksum,
+                    copies: class.members.len() as u32,
+                    zero: class.zero,
+                    pids,
+                }
+            })
+            .collect()
     }
 
-    /// Number of content classes in (stable, unstable) tree.
-    pub fn classes(&self) -> (usize, usize) {
-        (self.stable.classes.len(), self.unstable.classes.len())
+    /// Bytes of heap the index holds, approximately (hash tables at their capacity).
+    pub fn heap_bytes(&self) -> u64 {
+        let singles = self.singles.capacity() * (8 + size_of::<Single>() + 1);
+        let groups: usize = self
+            .groups
+            .values()
+            .map(|c| {
+                8 + 24
+                    + c.iter()
+                        .map(|c| size_of::<Class>() + c.members.len() * 24)
+                        .sum::<usize>()
+            })
+            .sum();
+        let cache = self.cache.pages.len() * (PAGE + 48);
+        (singles + groups + cache) as u64
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::checksum::NO_CHECKSUM;
 
     /// A simulated address space: page → content, with a read counter.
     #[derive(Default)]
@@ -537,43 +670,30 @@ mod tests {
     const WEAK: u64 = 42;
 
     #[test]
-    fn the_gate_keeps_changed_pages_out_of_the_unstable_tree() {
+    fn the_gate_keeps_changed_pages_out() {
         let kind = ChecksumKind::Xxh64;
         let mut index = Index::new(kind);
         let mut mem = Memory::default();
         let a = mem.set(1, 0, 7);
         let b = mem.set(2, 0, 7);
         let sum = kind.checksum(&[7; PAGE]);
-        index.begin_pass();
-        // First pass: no previous checksum, so nothing enters the unstable tree.
+        // Hashed for the first time: nothing enters.
         assert_eq!(
-            place(
-                &mut index,
-                &mut mem,
-                a,
-                sum,
-                crate::engine::checksum::NO_CHECKSUM
-            ),
+            place(&mut index, &mut mem, a, sum, NO_CHECKSUM),
             Placement::Volatile
         );
         assert_eq!(
-            place(
-                &mut index,
-                &mut mem,
-                b,
-                sum,
-                crate::engine::checksum::NO_CHECKSUM
-            ),
+            place(&mut index, &mut mem, b, sum, NO_CHECKSUM),
             Placement::Volatile
         );
-        assert_eq!(index.classes(), (0, 0));
-        // Second pass: unchanged, so they meet in the unstable tree.
-        index.begin_pass();
+        assert_eq!(index.counts(), (0, 0));
+        // Unchanged since: they meet.
         assert_eq!(place(&mut index, &mut mem, a, sum, sum), Placement::Unique);
         assert_eq!(
             place(&mut index, &mut mem, b, sum, sum),
             Placement::Duplicate { of: a }
         );
+        assert_eq!(index.counts(), (2, 1));
         // A page that changed since its previous checksum stays out even if it now matches.
         let c = mem.set(3, 0, 7);
         assert_eq!(
@@ -583,17 +703,54 @@ mod tests {
     }
 
     #[test]
-    fn the_unstable_tree_is_rebuilt_every_pass() {
-        let mut index = Index::new(ChecksumKind::Xxh64);
+    fn pages_stay_until_they_are_taken_out() {
+        let kind = ChecksumKind::Xxh64;
+        let mut index = Index::new(kind);
         let mut mem = Memory::default();
+        let sum = kind.checksum(&[1; PAGE]);
         let a = mem.set(1, 0, 1);
         let b = mem.set(2, 0, 1);
-        index.begin_pass();
-        assert_eq!(place(&mut index, &mut mem, a, 5, 5), Placement::Unique);
-        index.begin_pass();
-        assert_eq!(index.classes().1, 0, "unstable tree not reset");
-        // b would be a duplicate of a only if a were still in the tree.
-        assert_eq!(place(&mut index, &mut mem, b, 5, 5), Placement::Unique);
+        assert_eq!(place(&mut index, &mut mem, a, sum, sum), Placement::Unique);
+        // Still there a pass later: nothing is rebuilt.
+        assert_eq!(
+            place(&mut index, &mut mem, b, sum, sum),
+            Placement::Duplicate { of: a }
+        );
+        // a is written: it leaves, and b stands for the content.
+        assert!(index.remove(a, sum));
+        assert!(!index.remove(a, sum), "removed twice");
+        assert_eq!(index.counts(), (1, 1));
+        let c = mem.set(3, 0, 1);
+        assert_eq!(
+            place(&mut index, &mut mem, c, sum, sum),
+            Placement::Duplicate { of: b }
+        );
+        assert!(index.remove(b, sum) && index.remove(c, sum));
+        assert_eq!(index.counts(), (0, 0));
+        assert!(index.singles.is_empty() && index.groups.is_empty());
+    }
+
+    #[test]
+    fn a_large_class_is_left_in_constant_time_and_keeps_a_representative() {
+        let mut index = Index::with_checksum(|_| WEAK, 0);
+        let mut mem = Memory::default();
+        let pages: Vec<PageRef> = (0..1000).map(|i| mem.set(1, i, 3)).collect();
+        for &p in &pages {
+            place(&mut index, &mut mem, p, WEAK, WEAK);
+        }
+        assert_eq!(index.counts(), (1000, 1));
+        assert!(matches!(
+            index.groups[&WEAK][0].members,
+            Members::Many { .. }
+        ));
+        for &p in &pages[..999] {
+            assert!(index.remove(p, WEAK));
+        }
+        let late = mem.set(2, 0, 3);
+        assert_eq!(
+            place(&mut index, &mut mem, late, WEAK, WEAK),
+            Placement::Duplicate { of: pages[999] }
+        );
     }
 
     #[test]
@@ -602,13 +759,11 @@ mod tests {
         let mut index = Index::with_checksum(|_| WEAK, 0);
         let mut mem = Memory::default();
         let pages: Vec<PageRef> = (0..6).map(|i| mem.set(1, i, (i % 3) as u8 + 1)).collect();
-        index.begin_pass();
         let placed: Vec<Placement> = pages
             .iter()
             .map(|&p| place(&mut index, &mut mem, p, WEAK, WEAK))
             .collect();
         use Placement::*;
-        // Contents 1,2,3,1,2,3 under one checksum: three classes, three duplicates.
         assert_eq!(
             placed,
             [
@@ -620,85 +775,67 @@ mod tests {
                 Duplicate { of: pages[2] }
             ]
         );
-        assert_eq!(index.classes().1, 3);
+        assert_eq!(index.counts(), (6, 3));
         let top = index.top(10);
         assert_eq!(top.len(), 3);
         assert!(top.iter().all(|t| t.copies == 2 && t.checksum == WEAK));
     }
 
     #[test]
-    fn a_representative_that_changed_is_never_matched() {
+    fn a_representative_that_changed_leaves_and_is_reported() {
         let kind = ChecksumKind::Xxh64;
         let mut index = Index::with_cache(kind, 0);
         let mut mem = Memory::default();
         let sum = kind.checksum(&[9; PAGE]);
         let a = mem.set(1, 0, 9);
-        index.begin_pass();
         assert_eq!(place(&mut index, &mut mem, a, sum, sum), Placement::Unique);
-        mem.set(1, 0, 8); // a is rewritten after it was placed
+        mem.set(1, 0, 8); // a is rewritten and nobody said so
         let b = mem.set(2, 0, 9);
-        // b's content equals a's *old* content; a is stale now, so b starts a new class.
+        // b's content equals a's *old* content: a leaves, b starts a new class.
         assert_eq!(place(&mut index, &mut mem, b, sum, sum), Placement::Unique);
+        assert_eq!(index.take_stale(), [a]);
+        assert_eq!(index.counts(), (1, 1));
         let c = mem.set(3, 0, 9);
         assert_eq!(
             place(&mut index, &mut mem, c, sum, sum),
             Placement::Duplicate { of: b }
         );
-        // A representative in an exited process is stale too.
+        // A representative in an exited process leaves too; the next page stands for it.
         mem.pages.remove(&b);
         let d = mem.set(4, 0, 9);
-        assert_eq!(place(&mut index, &mut mem, d, sum, sum), Placement::Unique);
+        assert_eq!(
+            place(&mut index, &mut mem, d, sum, sum),
+            Placement::Duplicate { of: c }
+        );
+        assert_eq!(index.take_stale(), [b]);
     }
 
     #[test]
-    fn the_stable_tree_persists_and_bypasses_the_gate() {
+    fn merged_content_bypasses_the_gate() {
         let kind = ChecksumKind::Xxh64;
         let mut index = Index::new(kind);
         let mut mem = Memory::default();
         let sum = kind.checksum(&[3; PAGE]);
         let merged = mem.set(1, 0, 3);
-        index.begin_pass();
         let content = mem.pages[&merged];
         assert_eq!(
-            index.place(merged, sum, sum, true, Content::Loaded(&content), &mut mem),
+            index.place(
+                merged,
+                sum,
+                NO_CHECKSUM,
+                true,
+                Content::Loaded(&content),
+                &mut mem
+            ),
             Placement::Unique
         );
-        index.begin_pass();
-        index.begin_pass();
-        assert_eq!(index.classes().0, 1, "stable tree lost its content");
         // A page that changed since last pass still matches merged content.
         let fresh = mem.set(2, 0, 3);
         assert_eq!(
-            place(
-                &mut index,
-                &mut mem,
-                fresh,
-                sum,
-                crate::engine::checksum::NO_CHECKSUM
-            ),
+            place(&mut index, &mut mem, fresh, sum, NO_CHECKSUM),
             Placement::Duplicate { of: merged }
         );
         assert_eq!(index.top(1)[0].pids, [1, 2]);
-    }
-
-    #[test]
-    fn merged_content_seen_after_an_unmerged_copy_counts_once() {
-        let kind = ChecksumKind::Xxh64;
-        let mut index = Index::new(kind);
-        let mut mem = Memory::default();
-        let sum = kind.checksum(&[4; PAGE]);
-        let plain = mem.set(1, 0, 4);
-        let merged = mem.set(2, 0, 4);
-        index.begin_pass();
-        assert_eq!(
-            place(&mut index, &mut mem, plain, sum, sum),
-            Placement::Unique
-        );
-        let content = mem.pages[&merged];
-        assert_eq!(
-            index.place(merged, sum, sum, true, Content::Loaded(&content), &mut mem),
-            Placement::Duplicate { of: plain }
-        );
     }
 
     #[test]
@@ -709,7 +846,6 @@ mod tests {
         let sum = kind.checksum(&[5; PAGE]);
         let a = mem.set(1, 0, 5);
         let b = mem.set(2, 0, 5);
-        index.begin_pass();
         assert_eq!(
             index.place(a, sum, sum, false, Content::Unread, &mut mem),
             Placement::Unique
@@ -732,33 +868,11 @@ mod tests {
     }
 
     #[test]
-    fn settled_pages_join_by_checksum_without_any_read() {
-        let kind = ChecksumKind::Xxh64;
-        let mut index = Index::with_cache(kind, 0);
-        let mut mem = Memory::default();
-        let sum = kind.checksum(&[5; PAGE]);
-        let a = mem.set(1, 0, 5);
-        index.begin_pass();
-        let content = mem.pages[&a];
-        assert_eq!(
-            index.place(a, sum, sum, false, Content::Loaded(&content), &mut mem),
-            Placement::Unique
-        );
-        let settled = PageRef { pid: 2, addr: 0 };
-        assert_eq!(
-            index.place(settled, sum, sum, false, Content::Settled, &mut mem),
-            Placement::Duplicate { of: a }
-        );
-        assert_eq!(mem.reads, 0);
-    }
-
-    #[test]
     fn zero_pages_need_no_read_and_are_flagged() {
         let kind = ChecksumKind::Xxh64;
         let mut index = Index::new(kind);
         let mut mem = Memory::default();
         let zero = kind.checksum(&[0; PAGE]);
-        index.begin_pass();
         let first = PageRef { pid: 1, addr: 0 };
         let second = PageRef { pid: 2, addr: 0 };
         assert_eq!(
@@ -774,7 +888,7 @@ mod tests {
     }
 
     #[test]
-    fn a_class_is_24_bytes() {
-        assert_eq!(size_of::<Class>(), 24);
+    fn a_content_held_by_one_page_is_16_bytes() {
+        assert_eq!(size_of::<Single>(), 16);
     }
 }

@@ -1,14 +1,16 @@
 //! The engine: what a pass is made of, independent of how often it runs.
 //!
 //! [`targets`] selects processes, [`target`] holds everything kept about one of them,
-//! [`dirty`] says which of its pages changed, [`scan`] reads and checksums those and places
-//! them in the [`index`], and [`merge`] turns verified duplicates into marked ranges.
+//! [`dirty`] says which of its pages changed, [`scan`] reads and checksums those, records
+//! them in the target's [`pages`] and places them in the [`index`] (both kept from pass to
+//! pass), and [`merge`] turns verified duplicates into marked ranges.
 //! Address ranges come from [`crate::kernel::ranges`].
 
 pub mod checksum;
 pub mod dirty;
 pub mod index;
 pub mod merge;
+pub mod pages;
 pub mod scan;
 pub mod target;
 pub mod targets;

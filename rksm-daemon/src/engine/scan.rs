@@ -1,17 +1,20 @@
-//! One pass over the targets: maps → pagemap → dirty source → read → checksum → index.
+//! One pass over the targets: maps → dirty source → pagemap → read → checksum → index.
 //!
-//! This is the pipeline every rksm mode shares. Per process it lists the private anonymous
-//! writable VMAs, asks pagemap which pages are present (and kpageflags, for pages mapped more
-//! than once, whether they are KSM or zero pages), asks the dirty source which pages must be
-//! hashed again, reads those in batches with `process_vm_readv`, checksums them, and places
-//! every present page in the [`Index`]. Pages the dirty source proves clean keep the checksum
-//! of their last pass and are read only if a comparison needs them. Physical pages are counted
-//! once: a frame mapped a second time (fork, KSM, the zero page) is already shared, and merging
-//! cannot free it again. A process that exits or unmaps memory mid-pass only loses its own
-//! numbers for that pass.
+//! This is the pipeline every rksm mode shares, and its cost follows the writes. Per process
+//! it lists the private anonymous writable VMAs and asks the dirty source what changed. A
+//! range under write protection since it was last read is vouched for: of it, the pass looks
+//! only at the pages written since (and the ones waiting for the checksum gate), one pagemap
+//! read per run of them; a clean page is not looked at, not read, not placed again; it stays
+//! in the [`Index`] and in the target's [`PageState`]. Every other range (hash-only mode, a
+//! target that cannot be armed, memory never read) is read in full, as KSM would. Looked-at
+//! pages are asked of pagemap (and kpageflags, for pages mapped more than once, whether they
+//! are KSM or zero pages), read in batches with `process_vm_readv`, checksummed and placed.
+//! Physical pages are counted once: a frame mapped a second time (fork, KSM, the zero page) is
+//! already shared, and merging cannot free it again. A process that exits or unmaps memory
+//! mid-pass only loses its own numbers for that pass.
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{HashMap, HashSet},
     time::Instant,
 };
 
@@ -23,11 +26,12 @@ use crate::{
         checksum::{ChecksumKind, NO_CHECKSUM},
         dirty::{DirtySet, DirtySource},
         index::{Content, ContentSource, Index, PageRef, Placement, TopContent},
+        pages::{PageInfo, PageState},
         target::Target,
     },
     kernel::{
         procfs::{self, KpageFlags, Pagemap, PagemapEntry, ProcfsError, Vma},
-        ranges::RangeSet,
+        ranges::{Range, RangeSet},
         reader::{self, ProcMem, ReaderError},
     },
 };
@@ -47,6 +51,8 @@ pub struct ScanConfig {
     pub only_ranges: Vec<(u32, u64, u64)>,
     /// Collect the verified duplicates of each pass for the merge executor.
     pub collect_merge_candidates: bool,
+    /// Report the most duplicated contents (a walk over every duplicated content).
+    pub report_top: bool,
 }
 
 /// Page counts of one process or of all (the `estimate` report's fields).
@@ -67,9 +73,15 @@ pub struct PageCounts {
     /// Pages read and checksummed this pass.
     #[serde(skip)]
     pub pages_hashed: u64,
-    /// Pages the dirty source proved clean, so not read this pass.
+    /// Pages known from earlier passes and not looked at this pass (proven clean).
     #[serde(skip)]
     pub pages_skipped_clean: u64,
+    /// Pagemap entries read: the pass's per-page system call cost.
+    #[serde(skip)]
+    pub pagemap_pages: u64,
+    /// /proc/kpageflags reads (one `pread` each).
+    #[serde(skip)]
+    pub kpageflags_reads: u64,
     /// Pages that vanished between pagemap and reading (unmapped mid-pass).
     #[serde(skip)]
     pub pages_vanished: u64,
@@ -100,6 +112,8 @@ impl PageCounts {
         self.pages_hashed += other.pages_hashed;
         self.pages_skipped_clean += other.pages_skipped_clean;
         self.pages_vanished += other.pages_vanished;
+        self.pagemap_pages += other.pagemap_pages;
+        self.kpageflags_reads += other.kpageflags_reads;
         self.checksum_ns += other.checksum_ns;
         self.ksm_pages_shared += other.ksm_pages_shared;
         self.ksm_pages_sharing += other.ksm_pages_sharing;
@@ -125,7 +139,7 @@ pub struct PassReport {
     pub processes: Vec<ProcessCounts>,
     /// Sum over `processes`.
     pub total: PageCounts,
-    /// The most duplicated contents.
+    /// The most duplicated contents (only with [`ScanConfig::report_top`]).
     pub top: Vec<TopContent>,
     /// Processes that exited during the pass (their numbers are not in the totals).
     pub exited: Vec<u32>,
@@ -152,50 +166,6 @@ pub struct Progress {
     pub pages_done: u64,
     /// Pages of address space in all targets' scanned VMAs.
     pub pages_total: u64,
-}
-
-/// Checksums of the previous pass for one VMA, page by page.
-#[derive(Debug, Default)]
-struct VmaState {
-    end: u64,
-    checksums: Vec<u64>,
-}
-
-/// The checksums of one target's pages at its last pass, VMA by VMA (kept in its
-/// [`Target`] record).
-#[derive(Debug, Default)]
-pub struct PageState {
-    vmas: BTreeMap<u64, VmaState>,
-}
-
-impl PageState {
-    /// The previous checksums for `vma`'s pages: moved over whole if the VMA is unchanged,
-    /// copied page by page from overlapping old VMAs if it grew, shrank, split or merged.
-    fn take_checksums(&mut self, vma: &Vma) -> Vec<u64> {
-        if self
-            .vmas
-            .get(&vma.start)
-            .is_some_and(|old| old.end == vma.end)
-        {
-            return self
-                .vmas
-                .remove(&vma.start)
-                .map(|old| old.checksums)
-                .unwrap_or_default();
-        }
-        let mut checksums = vec![NO_CHECKSUM; vma.pages() as usize];
-        for (&start, old) in self.vmas.range(..vma.end) {
-            let (from, to) = (start.max(vma.start), old.end.min(vma.end));
-            if from >= to {
-                continue;
-            }
-            let n = ((to - from) / PAGE_SIZE) as usize;
-            let src = ((from - start) / PAGE_SIZE) as usize;
-            let dst = ((from - vma.start) / PAGE_SIZE) as usize;
-            checksums[dst..dst + n].copy_from_slice(&old.checksums[src..src + n]);
-        }
-        checksums
-    }
 }
 
 /// Reads single pages of live processes for the index's comparisons, through /proc/PID/mem
@@ -239,35 +209,52 @@ impl From<ReaderError> for ProcessScanError {
     }
 }
 
-/// How one present page will be obtained this pass.
+/// How one present page is obtained this pass.
 #[derive(Clone, Copy)]
 enum Source {
     /// The kernel's zero page: content known, nothing to read.
     Zero,
     /// Read into slot `n` of the batch buffer.
     Read(usize),
-    /// Proven clean by the dirty source: keep the previous checksum.
-    Clean,
+    /// Unchanged since it was hashed (it waits for the gate): its checksum stands.
+    Known,
 }
 
 #[derive(Clone, Copy)]
 struct Candidate {
-    index_in_vma: usize,
+    addr: u64,
     ksm: bool,
     source: Source,
     pfn: u64,
+    previous: u64,
 }
 
-/// What scanning one process's VMAs reads from.
-#[derive(Clone, Copy)]
-struct OpenTarget<'a> {
+/// What one target's pass looks at: everything the dirty source cannot vouch for, and of
+/// the rest only what changed.
+#[derive(Debug, Default)]
+struct Work {
+    /// Ranges looked at page by page, every present page hashed: not under write protection
+    /// since they were last read, or never read.
+    full: Vec<Range>,
+    /// Pages looked at one by one, in address order: written, waiting for the gate, or found
+    /// changed by a comparison.
+    sparse: Vec<u64>,
+    /// Of `sparse`, the pages whose content may have changed: hashed again.
+    rehash: HashSet<u64>,
+}
+
+impl Work {
+    fn pages(&self) -> u64 {
+        self.full.iter().map(Range::pages).sum::<u64>() + self.sparse.len() as u64
+    }
+}
+
+/// The open files of the target being scanned.
+struct Open {
     pid: u32,
     domain: u32,
-    pagemap: &'a Pagemap,
-    mem: &'a ProcMem,
-    dirty: &'a DirtySet,
-    /// Ranges already marked mergeable: their clean pages need no comparison.
-    settled: &'a RangeSet,
+    pagemap: Pagemap,
+    mem: ProcMem,
 }
 
 /// Scans targets pass after pass; what it remembers about each target is kept in the
@@ -286,6 +273,8 @@ pub struct Scanner {
     read_ok: Vec<bool>,
     entries: Vec<PagemapEntry>,
     live: LiveMemory,
+    /// Pages a comparison found changed or gone, by pid: hashed again at its next pass.
+    recheck: HashMap<u32, Vec<u64>>,
     merge_candidates: HashMap<u32, Vec<(u64, u64)>>,
     ksm_pages: HashMap<u32, Vec<u64>>,
     ksm_checksums: HashMap<u32, Vec<u64>>,
@@ -305,6 +294,7 @@ impl Scanner {
             read_ok: vec![false; CHUNK_PAGES],
             entries: vec![PagemapEntry(0); CHUNK_PAGES],
             live: LiveMemory::default(),
+            recheck: HashMap::new(),
             merge_candidates: HashMap::new(),
             ksm_pages: HashMap::new(),
             ksm_checksums: HashMap::new(),
@@ -316,6 +306,21 @@ impl Scanner {
         self.indexes.remove(&domain);
     }
 
+    /// Takes every page of `target` out of its domain's index and forgets its pages (it is
+    /// dropped, or its scan failed half-way and it is read in full next time).
+    pub fn forget(&mut self, target: &mut Target) {
+        let pid = target.pid();
+        let pages = target.pages.clear();
+        if let Some(index) = self.indexes.get_mut(&target.domain()) {
+            for (addr, info) in pages {
+                if info.placed {
+                    index.remove(PageRef { pid, addr }, info.checksum);
+                }
+            }
+        }
+        self.recheck.remove(&pid);
+    }
+
     /// The dirty source's mode name.
     pub fn dirty_mode(&self) -> &'static str {
         self.dirty.mode()
@@ -324,6 +329,11 @@ impl Scanner {
     /// System calls the dirty source made inside targets.
     pub fn dirty_remote_syscalls(&self) -> u64 {
         self.dirty.remote_syscalls()
+    }
+
+    /// Heap bytes of the indexes, approximately.
+    pub fn index_heap_bytes(&self) -> u64 {
+        self.indexes.values().map(Index::heap_bytes).sum()
     }
 
     /// Runs one pass over `targets`.
@@ -345,12 +355,12 @@ impl Scanner {
     ) -> PassReport {
         let started = Instant::now();
         let mut report = PassReport::default();
-        for index in self.indexes.values_mut() {
-            index.begin_pass();
-        }
         self.pfns_seen.clear();
         self.live.open.clear();
 
+        // Every target is planned, and what may have changed taken out of the index, before
+        // anything is placed: a page is then never found equal to its own former self, and a
+        // hash-only pass places every page afresh, as KSM's rebuilt unstable tree does.
         let mut plans = Vec::new();
         for target in targets.iter_mut() {
             let pid = target.pid();
@@ -361,27 +371,29 @@ impl Scanner {
             }
             match self.vmas_of(pid) {
                 Ok((vmas, total)) => {
-                    report.vmas.insert(pid, (vmas.clone(), total));
-                    plans.push((&mut **target, vmas));
+                    let work = self.plan(target, &vmas);
+                    report.vmas.insert(pid, (vmas, total));
+                    plans.push((&mut **target, work));
                 }
                 Err(ProcessScanError::Gone) => report.exited.push(pid),
                 Err(ProcessScanError::Failed(why)) => report.failed.push((pid, why)),
             }
         }
-        let pages_total = plans
-            .iter()
-            .flat_map(|(_, v)| v.iter())
-            .map(Vma::pages)
-            .sum();
+        let pages_total = plans.iter().map(|(_, w)| w.pages()).sum();
         let mut pages_done = 0;
-        for (target, vmas) in plans {
+        for (target, work) in plans {
             let pid = target.pid();
-            match self.scan_target(target, &vmas, &mut |done| {
+            let result = self.scan_target(target, &work, &mut |done| {
                 progress(Progress {
                     pages_done: pages_done + done,
                     pages_total,
                 })
-            }) {
+            });
+            if result.is_err() {
+                // Half-placed: it starts over next pass.
+                self.forget(target);
+            }
+            match result {
                 // Exited while being scanned: what was counted may be missing pages.
                 Ok(_) if target.process().has_exited() => report.exited.push(pid),
                 Ok(counts) => {
@@ -395,12 +407,14 @@ impl Scanner {
                 Err(ProcessScanError::Gone) => report.exited.push(pid),
                 Err(ProcessScanError::Failed(why)) => report.failed.push((pid, why)),
             }
-            pages_done += vmas.iter().map(Vma::pages).sum::<u64>();
+            pages_done += work.pages();
         }
-        let mut top: Vec<TopContent> = self.indexes.values().flat_map(|i| i.top(10)).collect();
-        top.sort_unstable_by(|a, b| b.copies.cmp(&a.copies).then(a.checksum.cmp(&b.checksum)));
-        top.truncate(10);
-        report.top = top;
+        if self.config.report_top {
+            let mut top: Vec<TopContent> = self.indexes.values().flat_map(|i| i.top(10)).collect();
+            top.sort_unstable_by(|a, b| b.copies.cmp(&a.copies).then(a.checksum.cmp(&b.checksum)));
+            top.truncate(10);
+            report.top = top;
+        }
         report.ksm_checksums = std::mem::take(&mut self.ksm_checksums);
         report.merge_candidates = std::mem::take(&mut self.merge_candidates);
         report.ksm_pages = std::mem::take(&mut self.ksm_pages);
@@ -439,12 +453,9 @@ impl Scanner {
         ))
     }
 
-    fn scan_target(
-        &mut self,
-        target: &mut Target,
-        vmas: &[Vma],
-        progress: &mut dyn FnMut(u64),
-    ) -> Result<PageCounts, ProcessScanError> {
+    /// Asks the dirty source what changed in `target`, decides what to look at, and takes
+    /// what may have changed out of the index.
+    fn plan(&mut self, target: &mut Target, vmas: &[Vma]) -> Work {
         let pid = target.pid();
         let (process, state) = target.process_and_dirty();
         let dirty = self
@@ -454,285 +465,318 @@ impl Scanner {
                 log::warn!("{e}; rehashing every page of pid {pid} this pass");
                 DirtySet::All
             });
-        // Whatever fails below, the old checksums are gone with it: every page of a target
-        // whose scan failed is read again next pass.
-        let mut old = std::mem::take(&mut target.pages);
-        let pagemap = Pagemap::open(pid)?;
-        let mem = ProcMem::open(pid)?;
-        let mut state = PageState::default();
+        let kind = self.config.checksum;
+        let index = self
+            .indexes
+            .entry(target.domain())
+            .or_insert_with(|| Index::new(kind));
+        let mut leave = |addr: u64, info: PageInfo| {
+            if info.placed {
+                index.remove(PageRef { pid, addr }, info.checksum);
+            }
+        };
+        for (addr, info) in target.pages.keep_within(vmas) {
+            leave(addr, info);
+            target.merged.remove(&addr);
+            target.candidates.remove(&addr);
+        }
+        // Only pages under write protection since they were last read are vouched for.
+        let trusted = match &dirty {
+            DirtySet::All => RangeSet::default(),
+            DirtySet::Only { armed, .. } => armed.intersection(&target.pages.scanned),
+        };
+        let vma_ranges: Vec<Range> = vmas.iter().map(|v| Range::new(v.start, v.end)).collect();
+        let full = trusted.minus(&vma_ranges);
+        let mut rehash: HashSet<u64> = self
+            .recheck
+            .remove(&pid)
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|&a| trusted.contains(a))
+            .collect();
+        if let DirtySet::Only { written, .. } = &dirty {
+            rehash.extend(written.iter().copied().filter(|&a| trusted.contains(a)));
+        }
+        let mut sparse: Vec<u64> = rehash.iter().copied().collect();
+        for r in trusted.as_slice() {
+            sparse.extend(target.pages.pending_in(r.start, r.end));
+        }
+        sparse.sort_unstable();
+        sparse.dedup();
+        for r in &full {
+            for (addr, info) in target.pages.pages_in(r.start, r.end) {
+                leave(addr, info);
+                target.candidates.remove(&addr);
+            }
+        }
+        for &addr in &rehash {
+            if let Some(info) = target.pages.get(addr) {
+                leave(addr, info);
+            }
+            target.candidates.remove(&addr);
+        }
+        Work {
+            full,
+            sparse,
+            rehash,
+        }
+    }
+
+    fn scan_target(
+        &mut self,
+        target: &mut Target,
+        work: &Work,
+        progress: &mut dyn FnMut(u64),
+    ) -> Result<PageCounts, ProcessScanError> {
+        let pid = target.pid();
+        let open = Open {
+            pid,
+            domain: target.domain(),
+            pagemap: Pagemap::open(pid)?,
+            mem: ProcMem::open(pid)?,
+        };
         let mut counts = PageCounts::default();
         let mut done = 0;
-        for vma in vmas {
-            let mut checksums = old.take_checksums(vma);
-            let open = OpenTarget {
-                pid,
-                domain: target.domain(),
-                pagemap: &pagemap,
-                mem: &mem,
-                dirty: &dirty,
-                settled: &target.marked,
-            };
-            let result = self.scan_vma(&open, vma, &mut checksums, &mut counts, &mut |in_vma| {
-                progress(done + in_vma)
-            });
-            state.vmas.insert(
-                vma.start,
-                VmaState {
-                    end: vma.end,
-                    checksums,
-                },
-            );
-            result?;
-            done += vma.pages();
-            progress(done);
+        for range in &work.full {
+            let mut from = range.start;
+            while from < range.end {
+                let n = (((range.end - from) / PAGE_SIZE) as usize).min(CHUNK_PAGES);
+                let got = self.scan_run(&open, &mut target.pages, from, n, None, &mut counts)?;
+                if got == 0 {
+                    break;
+                }
+                from += got as u64 * PAGE_SIZE;
+                done += got as u64;
+                progress(done);
+            }
         }
-        target.pages = state;
+        let sparse = &work.sparse;
+        let mut i = 0;
+        while i < sparse.len() {
+            // A run of consecutive pages: one pagemap read.
+            let mut j = i + 1;
+            while j < sparse.len() && sparse[j] == sparse[j - 1] + PAGE_SIZE && j - i < CHUNK_PAGES
+            {
+                j += 1;
+            }
+            self.scan_run(
+                &open,
+                &mut target.pages,
+                sparse[i],
+                j - i,
+                Some(&work.rehash),
+                &mut counts,
+            )?;
+            done += (j - i) as u64;
+            i = j;
+        }
+        progress(done);
+        for range in &work.full {
+            target.pages.scanned.insert(*range);
+        }
+        counts.pages_skipped_clean = target.pages.len().saturating_sub(counts.scanned_pages);
         Ok(counts)
     }
 
-    fn scan_vma(
+    /// Looks at the `n` pages from `start`: forgets the absent, hashes the ones that may
+    /// have changed (`rehash`, or all if `None`), places the present, and records them in
+    /// `pages`. Returns how many pages pagemap covered.
+    fn scan_run(
         &mut self,
-        target: &OpenTarget<'_>,
-        vma: &Vma,
-        checksums: &mut [u64],
+        open: &Open,
+        pages: &mut PageState,
+        start: u64,
+        n: usize,
+        rehash: Option<&HashSet<u64>>,
         counts: &mut PageCounts,
-        progress: &mut dyn FnMut(u64),
-    ) -> Result<(), ProcessScanError> {
-        let OpenTarget {
-            pid,
-            domain,
-            pagemap,
-            mem,
-            dirty,
-            settled,
-        } = *target;
-        let kind = self.config.checksum;
-        let mut chunk_start = vma.start;
-        let mut candidates = Vec::with_capacity(CHUNK_PAGES);
-        let mut to_read = Vec::with_capacity(CHUNK_PAGES);
-        let mut mapped_once = Vec::with_capacity(CHUNK_PAGES);
+    ) -> Result<usize, ProcessScanError> {
+        let pid = open.pid;
+        let got = open.pagemap.read(start, &mut self.entries[..n])?;
+        counts.pagemap_pages += got as u64;
+        // What was known about these pages is taken out, and put back for those present.
+        let old = pages.pages_in(start, start + got as u64 * PAGE_SIZE);
+        for &(addr, _) in &old {
+            pages.remove(addr);
+        }
+        let previous_of = |addr: u64| {
+            old.binary_search_by_key(&addr, |p| p.0)
+                .map_or(NO_CHECKSUM, |i| old[i].1.checksum)
+        };
+        let mut candidates = Vec::with_capacity(got);
+        let mut to_read = Vec::with_capacity(got);
+        let mut mapped_once = Vec::with_capacity(got);
         let mut shared_mappings = Vec::new();
-        while chunk_start < vma.end {
-            let want = (((vma.end - chunk_start) / PAGE_SIZE) as usize).min(CHUNK_PAGES);
-            let got = pagemap.read(chunk_start, &mut self.entries[..want])?;
-            if got == 0 {
-                break;
+        for (i, entry) in self.entries[..got].iter().enumerate() {
+            let Some(pfn) = entry.pfn() else { continue };
+            if entry.file_or_shared() {
+                continue;
             }
-            let first_index = ((chunk_start - vma.start) / PAGE_SIZE) as usize;
-            candidates.clear();
-            to_read.clear();
-            mapped_once.clear();
-            shared_mappings.clear();
-            for (i, entry) in self.entries[..got].iter().enumerate() {
-                let Some(pfn) = entry.pfn() else { continue };
-                if entry.file_or_shared() {
+            counts.scanned_pages += 1;
+            let addr = start + i as u64 * PAGE_SIZE;
+            let previous = previous_of(addr);
+            // A page mapped more than once may be a KSM page, the zero page, or shared with a
+            // forked relative; count each physical page once.
+            let (mut ksm, mut zero) = (false, false);
+            if !entry.exclusive() && pfn != 0 {
+                let flags = self.kpageflags.get(pfn).unwrap_or_default();
+                counts.kpageflags_reads += 1;
+                (ksm, zero) = (flags.ksm(), flags.zero_page());
+                if ksm {
+                    self.ksm_pages.entry(pid).or_default().push(addr);
+                }
+                if self.pfns_seen.contains_key(&pfn) {
+                    counts.already_shared_pages += 1;
+                    counts.ksm_pages_sharing += u64::from(ksm);
+                    // Shared or not, a mapping of the zero page is a zero page.
+                    counts.zero_pages += u64::from(zero);
+                    // This mapping's content is the frame's: it is recorded with the frame's
+                    // checksum, so that after a copy-on-write break the gate sees it unchanged.
+                    shared_mappings.push((addr, pfn, previous));
                     continue;
                 }
-                counts.scanned_pages += 1;
-                let addr = chunk_start + i as u64 * PAGE_SIZE;
-                let index_in_vma = first_index + i;
-                // A page mapped more than once may be a KSM page, the zero page, or shared
-                // with a forked relative; count each physical page once.
-                let (mut ksm, mut zero) = (false, false);
-                if !entry.exclusive() && pfn != 0 {
-                    let flags = self.kpageflags.get(pfn).unwrap_or_default();
-                    (ksm, zero) = (flags.ksm(), flags.zero_page());
-                    if ksm {
-                        self.ksm_pages.entry(pid).or_default().push(addr);
-                    }
-                    if self.pfns_seen.contains_key(&pfn) {
-                        counts.already_shared_pages += 1;
-                        counts.ksm_pages_sharing += u64::from(ksm);
-                        // Shared or not, a mapping of the zero page is a zero page.
-                        counts.zero_pages += u64::from(zero);
-                        // This mapping's content is the frame's: remember its checksum, so
-                        // that after a copy-on-write break the gate sees it unchanged.
-                        shared_mappings.push((index_in_vma, pfn));
-                        continue;
-                    }
-                    self.pfns_seen.insert(pfn, NO_CHECKSUM);
-                    counts.ksm_pages_shared += u64::from(ksm);
-                }
-                let source = if zero {
-                    Source::Zero
-                } else if dirty.contains(addr) || checksums[index_in_vma] == NO_CHECKSUM {
-                    to_read.push(addr);
-                    mapped_once.push(entry.exclusive());
-                    Source::Read(to_read.len() - 1)
-                } else {
-                    Source::Clean
-                };
-                candidates.push(Candidate {
-                    index_in_vma,
-                    ksm,
-                    source,
-                    pfn,
-                });
+                self.pfns_seen.insert(pfn, NO_CHECKSUM);
+                counts.ksm_pages_shared += u64::from(ksm);
             }
-
-            reader::read_pages(
-                mem,
-                &to_read,
-                &mapped_once,
-                &mut self.batch,
-                &mut self.read_ok,
-            )?;
-            let hashing = Instant::now();
-            let fresh: Vec<u64> = (0..to_read.len())
-                .map(|slot| {
-                    if self.read_ok[slot] {
-                        kind.checksum(&self.batch[slot * PAGE..(slot + 1) * PAGE])
-                    } else {
-                        NO_CHECKSUM
-                    }
-                })
-                .collect();
-            counts.checksum_ns += hashing.elapsed().as_nanos() as u64;
-            counts.pages_hashed += fresh.iter().filter(|&&c| c != NO_CHECKSUM).count() as u64;
-
-            for candidate in &candidates {
-                let page = PageRef {
-                    pid,
-                    addr: vma.start + candidate.index_in_vma as u64 * PAGE_SIZE,
-                };
-                let previous = checksums[candidate.index_in_vma];
-                let (checksum, content) = match candidate.source {
-                    Source::Zero => (self.zero_checksum, Content::Zero),
-                    Source::Read(slot) if fresh[slot] == NO_CHECKSUM => {
-                        counts.pages_vanished += 1;
-                        counts.scanned_pages -= 1;
-                        checksums[candidate.index_in_vma] = NO_CHECKSUM;
-                        continue;
-                    }
-                    Source::Read(slot) => (
-                        fresh[slot],
-                        Content::Loaded(&self.batch[slot * PAGE..(slot + 1) * PAGE]),
-                    ),
-                    Source::Clean => {
-                        counts.pages_skipped_clean += 1;
-                        (
-                            previous,
-                            if settled.contains(page.addr) {
-                                Content::Settled
-                            } else {
-                                Content::Unread
-                            },
-                        )
-                    }
-                };
-                let is_zero = checksum == self.zero_checksum
-                    && match content {
-                        Content::Loaded(bytes) => bytes.iter().all(|&b| b == 0),
-                        Content::Zero | Content::Unread | Content::Settled => true,
-                    };
-                let kind = self.config.checksum;
-                let index = self
-                    .indexes
-                    .entry(domain)
-                    .or_insert_with(|| Index::new(kind));
-                match index.place(
-                    page,
-                    checksum,
-                    previous,
-                    candidate.ksm,
-                    content,
-                    &mut self.live,
-                ) {
-                    Placement::Unique => counts.unique_pages += 1,
-                    Placement::Duplicate { of } => {
-                        counts.duplicate_pages += 1;
-                        if self.config.collect_merge_candidates {
-                            self.merge_candidates
-                                .entry(pid)
-                                .or_default()
-                                .push((page.addr, checksum));
-                            self.merge_candidates
-                                .entry(of.pid)
-                                .or_default()
-                                .push((of.addr, checksum));
-                        }
-                    }
-                    Placement::Volatile => counts.volatile_pages += 1,
-                    Placement::Vanished => {
-                        counts.pages_vanished += 1;
-                        counts.scanned_pages -= 1;
-                        checksums[candidate.index_in_vma] = NO_CHECKSUM;
-                        continue;
-                    }
-                }
-                if is_zero {
-                    counts.zero_pages += 1;
-                }
-                if candidate.ksm {
-                    self.ksm_checksums.entry(pid).or_default().push(checksum);
-                }
-                checksums[candidate.index_in_vma] = checksum;
-                if let Some(known) = self.pfns_seen.get_mut(&candidate.pfn) {
-                    *known = checksum;
-                }
-            }
-            for &(index_in_vma, pfn) in &shared_mappings {
-                checksums[index_in_vma] = self.pfns_seen.get(&pfn).copied().unwrap_or(NO_CHECKSUM);
-            }
-            chunk_start += got as u64 * PAGE_SIZE;
-            progress((chunk_start - vma.start) / PAGE_SIZE);
+            let must_read = rehash.is_none_or(|r| r.contains(&addr)) || previous == NO_CHECKSUM;
+            let source = if zero {
+                Source::Zero
+            } else if must_read {
+                to_read.push(addr);
+                mapped_once.push(entry.exclusive());
+                Source::Read(to_read.len() - 1)
+            } else {
+                Source::Known
+            };
+            candidates.push(Candidate {
+                addr,
+                ksm,
+                source,
+                pfn,
+                previous,
+            });
         }
-        Ok(())
+
+        reader::read_pages(
+            &open.mem,
+            &to_read,
+            &mapped_once,
+            &mut self.batch,
+            &mut self.read_ok,
+        )?;
+        let kind = self.config.checksum;
+        let hashing = Instant::now();
+        let fresh: Vec<u64> = (0..to_read.len())
+            .map(|slot| {
+                if self.read_ok[slot] {
+                    kind.checksum(&self.batch[slot * PAGE..(slot + 1) * PAGE])
+                } else {
+                    NO_CHECKSUM
+                }
+            })
+            .collect();
+        counts.checksum_ns += hashing.elapsed().as_nanos() as u64;
+        counts.pages_hashed += fresh.iter().filter(|&&c| c != NO_CHECKSUM).count() as u64;
+
+        let index = self
+            .indexes
+            .entry(open.domain)
+            .or_insert_with(|| Index::new(kind));
+        for candidate in &candidates {
+            let page = PageRef {
+                pid,
+                addr: candidate.addr,
+            };
+            let (checksum, content) = match candidate.source {
+                Source::Zero => (self.zero_checksum, Content::Zero),
+                Source::Read(slot) if fresh[slot] == NO_CHECKSUM => {
+                    counts.pages_vanished += 1;
+                    counts.scanned_pages -= 1;
+                    continue;
+                }
+                Source::Read(slot) => (
+                    fresh[slot],
+                    Content::Loaded(&self.batch[slot * PAGE..(slot + 1) * PAGE]),
+                ),
+                Source::Known => (candidate.previous, Content::Unread),
+            };
+            let is_zero = checksum == self.zero_checksum
+                && match content {
+                    Content::Loaded(bytes) => bytes.iter().all(|&b| b == 0),
+                    Content::Zero | Content::Unread => true,
+                };
+            let placement = index.place(
+                page,
+                checksum,
+                candidate.previous,
+                candidate.ksm,
+                content,
+                &mut self.live,
+            );
+            for stale in index.take_stale() {
+                self.recheck.entry(stale.pid).or_default().push(stale.addr);
+            }
+            match placement {
+                Placement::Unique => counts.unique_pages += 1,
+                Placement::Duplicate { of } => {
+                    counts.duplicate_pages += 1;
+                    if self.config.collect_merge_candidates {
+                        self.merge_candidates
+                            .entry(pid)
+                            .or_default()
+                            .push((page.addr, checksum));
+                        self.merge_candidates
+                            .entry(of.pid)
+                            .or_default()
+                            .push((of.addr, checksum));
+                    }
+                }
+                Placement::Volatile => counts.volatile_pages += 1,
+                Placement::Vanished => {
+                    counts.pages_vanished += 1;
+                    counts.scanned_pages -= 1;
+                    continue;
+                }
+            }
+            if is_zero {
+                counts.zero_pages += 1;
+            }
+            if candidate.ksm {
+                self.ksm_checksums.entry(pid).or_default().push(checksum);
+            }
+            pages.set(
+                page.addr,
+                PageInfo {
+                    checksum,
+                    placed: placement != Placement::Volatile,
+                },
+            );
+            if let Some(known) = self.pfns_seen.get_mut(&candidate.pfn) {
+                *known = checksum;
+            }
+        }
+        for (addr, pfn, previous) in shared_mappings {
+            // Another mapping of a frame placed once already: settled, not in the index.
+            let checksum = match self.pfns_seen.get(&pfn) {
+                Some(&known) if known != NO_CHECKSUM => known,
+                _ => previous,
+            };
+            if checksum != NO_CHECKSUM {
+                pages.set(
+                    addr,
+                    PageInfo {
+                        checksum,
+                        placed: true,
+                    },
+                );
+            }
+        }
+        Ok(got)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn checksums_follow_vmas_that_grow_shrink_and_split() {
-        let p = PAGE_SIZE;
-        let mut state = PageState::default();
-        state.vmas.insert(
-            0,
-            VmaState {
-                end: 4 * p,
-                checksums: vec![10, 11, 12, 13],
-            },
-        );
-        state.vmas.insert(
-            8 * p,
-            VmaState {
-                end: 10 * p,
-                checksums: vec![80, 81],
-            },
-        );
-        // Unchanged: moved over as is.
-        let mut same = PageState::default();
-        same.vmas.insert(
-            0,
-            VmaState {
-                end: 4 * p,
-                checksums: vec![1, 2, 3, 4],
-            },
-        );
-        assert_eq!(same.take_checksums(&Vma::anonymous(0, 4 * p)), [1, 2, 3, 4]);
-        // Grown across a gap into the next VMA, and shifted: copied page by page.
-        assert_eq!(
-            state.take_checksums(&Vma::anonymous(2 * p, 10 * p)),
-            [
-                12,
-                13,
-                NO_CHECKSUM,
-                NO_CHECKSUM,
-                NO_CHECKSUM,
-                NO_CHECKSUM,
-                80,
-                81
-            ]
-        );
-        // New memory: nothing known.
-        assert_eq!(
-            state.take_checksums(&Vma::anonymous(20 * p, 21 * p)),
-            [NO_CHECKSUM]
-        );
-    }
 
     #[test]
     fn counts_add_up_and_savings_are_in_mib() {

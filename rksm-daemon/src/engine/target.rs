@@ -8,12 +8,12 @@
 //! of it goes at once: nothing about a process outlives its record, and since the record
 //! holds a pidfd, nothing in it can ever describe a later process that reuses the pid.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    engine::{dirty::DirtyState, merge::Backoff, scan::PageState},
+    engine::{dirty::DirtyState, merge::Backoff, pages::PageState},
     kernel::{
         process::{Process, ProcessId},
         ranges::RangeSet,
@@ -23,10 +23,6 @@ use crate::{
 /// A target's counters, for status and metrics (the last pass's readings, and totals).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TargetCounters {
-    /// KSM frames first seen in this target (last pass).
-    pub pages_shared: u64,
-    /// Further mappings of KSM frames in this target (last pass).
-    pub pages_sharing: u64,
     /// Pages whose checksum changed since the previous pass (last pass).
     pub pages_volatile: u64,
     /// Pages marked mergeable.
@@ -39,6 +35,9 @@ pub struct TargetCounters {
     pub write_faults: u64,
     /// Writes the tracer saw on merged pages.
     pub cow_breaks: u64,
+    /// Written pages the tracer missed and the audit found (ebpf mode); any makes the
+    /// target tracked exactly (by PAGEMAP_SCAN) from then on.
+    pub dirty_misses: u64,
 }
 
 /// Everything kept about one process.
@@ -49,12 +48,14 @@ pub struct Target {
     domain_name: String,
     /// Arming and tracer state: what the dirty source needs to prove pages clean.
     pub(crate) dirty: DirtyState,
-    /// The checksums of its pages at the last pass.
+    /// What is known of its present pages: checksums, and which are in the index.
     pub(crate) pages: PageState,
     /// Ranges marked mergeable in it.
     pub(crate) marked: RangeSet,
     /// Pages mapped to KSM frames at the last pass.
     pub(crate) merged: HashSet<u64>,
+    /// Verified duplicates not yet marked, with their checksum.
+    pub(crate) candidates: HashMap<u64, u64>,
     /// Contents (by checksum) it has marked or has merged: its domain owns them.
     pub(crate) owned: HashSet<u64>,
     /// Regions whose merged pages keep breaking.
@@ -76,6 +77,7 @@ impl Target {
             pages: PageState::default(),
             marked: RangeSet::default(),
             merged: HashSet::new(),
+            candidates: HashMap::new(),
             owned: HashSet::new(),
             backoff: Backoff::default(),
             counters: TargetCounters::default(),

@@ -7,8 +7,11 @@
 //! (write faults on protected pages are resolved in the kernel, with no round trip to rksm)
 //! and `UFFDIO_REGISTER` in write-protect mode on each scanned VMA. Each pass then calls
 //! `PAGEMAP_SCAN` with `PM_SCAN_WP_MATCHING` on /proc/PID/pagemap: it returns the pages
-//! written since the previous call and write-protects them again, atomically. Protection
-//! always happens before the pages are read, so a write after the read shows up next pass.
+//! written since the previous call and write-protects them again, atomically. That walks
+//! every armed page; when the written pages are known otherwise (the eBPF tracer), only they
+//! are protected again, with `UFFDIO_WRITEPROTECT` on coalesced ranges, and PAGEMAP_SCAN
+//! walks only a slice ([`Armed::scan_written`]). Protection always happens before the pages
+//! are read, so a write after the read shows up next pass.
 //!
 //! When rksm exits, its uffd closes and the kernel drops the registration; the target never
 //! holds an extra fd. VMAs the target registered with a userfaultfd of its own cannot be
@@ -35,9 +38,11 @@ const UFFD_USER_MODE_ONLY: u64 = 1;
 const UFFD_FEATURE_WP_UNPOPULATED: u64 = 1 << 13;
 const UFFD_FEATURE_WP_ASYNC: u64 = 1 << 15;
 const UFFDIO_REGISTER_MODE_WP: u64 = 1 << 1;
+const UFFDIO_WRITEPROTECT_MODE_WP: u64 = 1 << 0;
 const PM_SCAN_WP_MATCHING: u64 = 1 << 0;
 const PM_SCAN_CHECK_WPASYNC: u64 = 1 << 1;
 const PAGE_IS_WRITTEN: u64 = 1 << 1;
+const PAGE_IS_PFNZERO: u64 = 1 << 5;
 
 #[repr(C)]
 struct UffdioApi {
@@ -52,6 +57,13 @@ struct UffdioRegister {
     len: u64,
     mode: u64,
     ioctls: u64,
+}
+
+#[repr(C)]
+struct UffdioWriteprotect {
+    start: u64,
+    len: u64,
+    mode: u64,
 }
 
 #[repr(C)]
@@ -81,7 +93,18 @@ struct PmScanArg {
 
 nix::ioctl_readwrite!(uffdio_api, 0xAA, 0x3F, UffdioApi);
 nix::ioctl_readwrite!(uffdio_register, 0xAA, 0x00, UffdioRegister);
+nix::ioctl_readwrite!(uffdio_writeprotect, 0xAA, 0x06, UffdioWriteprotect);
 nix::ioctl_readwrite!(pagemap_scan, b'f', 16, PmScanArg);
+
+/// What a PAGEMAP_SCAN over some ranges found written (and protected again).
+#[derive(Debug, Default)]
+pub struct Written {
+    /// Pages written since they were last protected.
+    pub pages: HashSet<u64>,
+    /// Of those, pages mapped to the zero page: a read fault after `MADV_DONTNEED` maps it
+    /// unprotected, with no write at all.
+    pub zero_page: HashSet<u64>,
+}
 
 /// Errors arming a process.
 #[derive(Debug, thiserror::Error)]
@@ -251,50 +274,105 @@ impl Armed {
     /// (all pages, the first time). A range that fails (unmapped and mapped again meanwhile)
     /// is dropped from the armed set, so its pages count as unprotected.
     pub fn protect(&mut self) -> HashSet<u64> {
-        let mut written = HashSet::new();
+        let all = self.registered.as_slice().to_vec();
+        self.scan_written(&all).pages
+    }
+
+    /// Write-protects the armed pages in `ranges` (sorted) with PAGEMAP_SCAN and returns
+    /// those written since they were last protected. A range that fails is dropped from the
+    /// armed set.
+    pub fn scan_written(&mut self, ranges: &[Range]) -> Written {
+        let mut written = Written::default();
         let mut failed = Vec::new();
         let mut regions = vec![PageRegion::default(); 512];
-        for &Range { start, end } in self.registered.as_slice() {
-            let mut from = start;
-            while from < end {
-                let mut arg = PmScanArg {
-                    size: size_of::<PmScanArg>() as u64,
-                    flags: PM_SCAN_WP_MATCHING | PM_SCAN_CHECK_WPASYNC,
-                    start: from,
-                    end,
-                    vec: regions.as_mut_ptr() as u64,
-                    vec_len: regions.len() as u64,
-                    category_mask: PAGE_IS_WRITTEN,
-                    return_mask: PAGE_IS_WRITTEN,
-                    ..PmScanArg::default()
-                };
-                // SAFETY: `arg` describes `regions`, which outlives the call; the kernel writes
-                // at most vec_len entries.
-                match unsafe { pagemap_scan(self.pagemap.as_raw_fd(), &mut arg) } {
-                    Ok(n) => {
-                        for region in &regions[..n as usize] {
-                            written.extend((region.start..region.end).step_by(PAGE_SIZE as usize));
+        for range in ranges {
+            for Range { start, end } in self.registered.within(*range) {
+                let mut from = start;
+                while from < end {
+                    let mut arg = PmScanArg {
+                        size: size_of::<PmScanArg>() as u64,
+                        flags: PM_SCAN_WP_MATCHING | PM_SCAN_CHECK_WPASYNC,
+                        start: from,
+                        end,
+                        vec: regions.as_mut_ptr() as u64,
+                        vec_len: regions.len() as u64,
+                        category_mask: PAGE_IS_WRITTEN,
+                        return_mask: PAGE_IS_WRITTEN | PAGE_IS_PFNZERO,
+                        ..PmScanArg::default()
+                    };
+                    // SAFETY: `arg` describes `regions`, which outlives the call; the kernel
+                    // writes at most vec_len entries.
+                    match unsafe { pagemap_scan(self.pagemap.as_raw_fd(), &mut arg) } {
+                        Ok(n) => {
+                            for region in &regions[..n as usize] {
+                                let pages = (region.start..region.end).step_by(PAGE_SIZE as usize);
+                                if region.categories & PAGE_IS_PFNZERO != 0 {
+                                    written.zero_page.extend(pages.clone());
+                                }
+                                written.pages.extend(pages);
+                            }
+                            // The walk stops early when the vector is full; go on from there.
+                            from = if arg.walk_end > from {
+                                arg.walk_end
+                            } else {
+                                end
+                            };
                         }
-                        // The walk stops early when the vector is full; go on from there.
-                        from = if arg.walk_end > from {
-                            arg.walk_end
-                        } else {
-                            end
-                        };
-                    }
-                    Err(errno) => {
-                        log::debug!(
-                            "pid {}: PAGEMAP_SCAN {start:#x}-{end:#x}: {errno}",
-                            self.pid
-                        );
-                        failed.push(Range::new(start, end));
-                        break;
+                        Err(errno) => {
+                            log::debug!(
+                                "pid {}: PAGEMAP_SCAN {start:#x}-{end:#x}: {errno}",
+                                self.pid
+                            );
+                            failed.push(Range::new(start, end));
+                            break;
+                        }
                     }
                 }
             }
         }
         self.registered.remove(&failed);
         written
+    }
+
+    /// Write-protects `pages` again (the pages written since they were last protected, as
+    /// the tracer saw them), one `UFFDIO_WRITEPROTECT` per run of consecutive armed pages. A
+    /// run that fails (its range no longer registered) is dropped from the armed set.
+    pub fn reprotect(&mut self, pages: &HashSet<u64>) {
+        let mut sorted: Vec<u64> = pages
+            .iter()
+            .copied()
+            .filter(|&p| self.registered.contains(p))
+            .collect();
+        sorted.sort_unstable();
+        let mut failed = Vec::new();
+        let mut i = 0;
+        while i < sorted.len() {
+            let mut j = i + 1;
+            while j < sorted.len() && sorted[j] == sorted[j - 1] + PAGE_SIZE {
+                j += 1;
+            }
+            let run = Range::new(sorted[i], sorted[j - 1] + PAGE_SIZE);
+            // A run may straddle two registered ranges (VMAs): protect each part.
+            for part in self.registered.within(run) {
+                let mut wp = UffdioWriteprotect {
+                    start: part.start,
+                    len: part.end - part.start,
+                    mode: UFFDIO_WRITEPROTECT_MODE_WP,
+                };
+                // SAFETY: a valid uffd and a properly laid out uffdio_writeprotect.
+                if let Err(errno) = unsafe { uffdio_writeprotect(self.uffd.as_raw_fd(), &mut wp) } {
+                    log::debug!(
+                        "pid {}: UFFDIO_WRITEPROTECT {:#x}-{:#x}: {errno}",
+                        self.pid,
+                        part.start,
+                        part.end
+                    );
+                    failed.push(part);
+                }
+            }
+            i = j;
+        }
+        self.registered.remove(&failed);
     }
 }
 
@@ -314,5 +392,6 @@ mod tests {
         assert_eq!(size_of::<UffdioRegister>(), 32);
         assert_eq!(size_of::<PageRegion>(), 24);
         assert_eq!(size_of::<PmScanArg>(), 96);
+        assert_eq!(size_of::<UffdioWriteprotect>(), 24);
     }
 }

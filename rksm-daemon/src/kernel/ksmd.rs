@@ -330,6 +330,15 @@ fn write_state(state: &Path, s: KsmdSettings) -> Result<(), KsmdError> {
     fs::rename(&tmp, state).map_err(io)
 }
 
+/// ksmd as it was found, for when rksm has nothing for it to do: stopped if it was stopped
+/// (or unmerging: rksm never writes 2), else at the host's own pace.
+pub fn idle(saved: KsmdSettings) -> KsmdSettings {
+    KsmdSettings {
+        run: u64::from(saved.run == 1),
+        ..saved
+    }
+}
+
 /// How fast ksmd should go to sweep `marked_pages` in about `sweep_secs`, waking every
 /// `sleep_millisecs`: at least 100 pages per wake-up (ksmd's default), at most 100,000.
 pub fn pace(marked_pages: u64, sweep_secs: f64, sleep_millisecs: u64) -> KsmdSettings {

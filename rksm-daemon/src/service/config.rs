@@ -99,6 +99,9 @@ pub struct ConfigFile {
     /// `--passes`: passes to run.
     #[serde(default, deserialize_with = "passes")]
     pub passes: Option<u64>,
+    /// `--audit-passes`: passes over which the ebpf mode audits every armed page once.
+    #[serde(default, deserialize_with = "passes")]
+    pub audit_passes: Option<u64>,
     /// `--json`: final counters as JSON.
     #[serde(default)]
     pub json: Option<bool>,

@@ -98,7 +98,7 @@ pub struct Status {
     /// The daemon's counters.
     pub counters: DaemonStats,
     /// What rksm gains the host, in bytes, as ksmd's `general_profit` does for KSM: the memory
-    /// merging saves in the targets (`pages_sharing` pages) minus rksm's own resident memory
+    /// merging saves (ksmd's `pages_sharing` pages) minus rksm's own resident memory
     /// (filled in by [`Status::read_live`]).
     pub general_profit: i64,
     /// Every current target.
@@ -289,19 +289,7 @@ pub fn render_metrics(status: &Status) -> String {
     );
     // Per target; `None` (the kernel has no ksm_stat for it) leaves the series out.
     type Field = fn(&TargetStatus) -> Option<f64>;
-    let per_target: [(&str, &str, &str, Field); 10] = [
-        (
-            "pages_shared",
-            "gauge",
-            "KSM frames first seen in the target (last pass).",
-            |t| Some(t.counters.pages_shared as f64),
-        ),
-        (
-            "pages_sharing",
-            "gauge",
-            "Further mappings of KSM frames in the target, the memory saved (last pass).",
-            |t| Some(t.counters.pages_sharing as f64),
-        ),
+    let per_target: [(&str, &str, &str, Field); 9] = [
         (
             "pages_volatile",
             "gauge",
@@ -334,6 +322,12 @@ pub fn render_metrics(status: &Status) -> String {
             "counter",
             "Writes the tracer saw to merged pages.",
             |t| Some(t.counters.cow_breaks as f64),
+        ),
+        (
+            "dirty_misses",
+            "counter",
+            "Written pages the tracer missed and the audit found.",
+            |t| Some(t.counters.dirty_misses as f64),
         ),
         (
             "ksm_merging_pages",
@@ -588,7 +582,7 @@ mod tests {
                     pid: 10,
                     comm: "py\"thon".into(),
                     counters: TargetCounters {
-                        pages_sharing: 7,
+                        pages_marked: 7,
                         pages_hashed: 100,
                         ..TargetCounters::default()
                     },
@@ -598,7 +592,7 @@ mod tests {
                     pid: 11,
                     comm: "node".into(),
                     counters: TargetCounters {
-                        pages_sharing: 5,
+                        pages_marked: 5,
                         ..TargetCounters::default()
                     },
                     ..TargetStatus::default()
@@ -617,10 +611,10 @@ mod tests {
         for line in [
             "# TYPE rksm_full_scans_total counter",
             "rksm_full_scans_total 3",
-            "# TYPE rksm_pages_sharing gauge",
-            "rksm_pages_sharing{pid=\"10\",comm=\"py\\\"thon\"} 7",
-            "rksm_pages_sharing{pid=\"11\",comm=\"node\"} 5",
-            "rksm_pages_shared{pid=\"11\",comm=\"node\"} 0",
+            "# TYPE rksm_pages_marked gauge",
+            "rksm_pages_marked{pid=\"10\",comm=\"py\\\"thon\"} 7",
+            "rksm_pages_marked{pid=\"11\",comm=\"node\"} 5",
+            "rksm_dirty_misses_total{pid=\"11\",comm=\"node\"} 0",
             "# TYPE rksm_pages_hashed_total counter",
             "rksm_pages_hashed_total{pid=\"10\",comm=\"py\\\"thon\"} 100",
             "rksm_targets_refused_total{reason=\"traced\"} 2",

@@ -1,0 +1,308 @@
+//! What rksm knows about one target's pages, kept from pass to pass, for present pages only.
+//!
+//! A steady pass must cost what the writes cost, so the scan does not look at a clean page
+//! again: it needs, for every page it once hashed, the checksum and whether the page sits in
+//! the index (placed) or waits for the checksum gate (pending). That is kept here, in chunks
+//! of 64 pages that exist only where a page is present: 8.3 bytes per page of dense memory,
+//! and a sparse mapping (a 1 TiB `MAP_NORESERVE` arena, a sanitizer's shadow) costs at most
+//! one 528-byte chunk per present page, never anything per virtual page. `scanned` says which
+//! ranges were read in full at some pass, so that their absent pages are known absent.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use rksm_common::PAGE_SIZE;
+
+use crate::kernel::{
+    procfs::Vma,
+    ranges::{Range, RangeSet},
+};
+
+/// Pages per chunk: one bit each in a `u64` mask.
+const CHUNK_PAGES: u64 = 64;
+const CHUNK_SPAN: u64 = CHUNK_PAGES * PAGE_SIZE;
+
+/// What is known about one page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageInfo {
+    /// Its checksum when it was last hashed.
+    pub checksum: u64,
+    /// Whether it is in the index (else it waits for the gate: it was hashed once).
+    pub placed: bool,
+}
+
+#[derive(Debug)]
+struct Chunk {
+    checksums: [u64; CHUNK_PAGES as usize],
+    /// Pages with a checksum.
+    known: u64,
+    /// Pages in the index.
+    placed: u64,
+}
+
+/// The pages of one target, as of its last pass.
+#[derive(Debug, Default)]
+pub struct PageState {
+    chunks: BTreeMap<u64, Box<Chunk>>,
+    /// Pages hashed once, not yet placed: the next pass places them if they stayed clean.
+    pending: BTreeSet<u64>,
+    /// Ranges read in full at some pass (clipped to the VMAs of the last pass).
+    pub(crate) scanned: RangeSet,
+    len: u64,
+}
+
+fn split(addr: u64) -> (u64, usize) {
+    (
+        addr / CHUNK_SPAN,
+        ((addr % CHUNK_SPAN) / PAGE_SIZE) as usize,
+    )
+}
+
+impl PageState {
+    /// Pages with a checksum.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether nothing is known.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// What is known about the page at `addr`.
+    pub fn get(&self, addr: u64) -> Option<PageInfo> {
+        let (key, slot) = split(addr);
+        let chunk = self.chunks.get(&key)?;
+        (chunk.known >> slot & 1 == 1).then(|| PageInfo {
+            checksum: chunk.checksums[slot],
+            placed: chunk.placed >> slot & 1 == 1,
+        })
+    }
+
+    /// Records the page at `addr`.
+    pub fn set(&mut self, addr: u64, info: PageInfo) {
+        let (key, slot) = split(addr);
+        let chunk = self.chunks.entry(key).or_insert_with(|| {
+            Box::new(Chunk {
+                checksums: [0; CHUNK_PAGES as usize],
+                known: 0,
+                placed: 0,
+            })
+        });
+        let bit = 1u64 << slot;
+        if chunk.known & bit == 0 {
+            self.len += 1;
+        }
+        chunk.known |= bit;
+        chunk.checksums[slot] = info.checksum;
+        if info.placed {
+            chunk.placed |= bit;
+            self.pending.remove(&addr);
+        } else {
+            chunk.placed &= !bit;
+            self.pending.insert(addr);
+        }
+    }
+
+    /// Forgets the page at `addr`; returns what was known.
+    pub fn remove(&mut self, addr: u64) -> Option<PageInfo> {
+        let (key, slot) = split(addr);
+        let chunk = self.chunks.get_mut(&key)?;
+        let bit = 1u64 << slot;
+        if chunk.known & bit == 0 {
+            return None;
+        }
+        let info = PageInfo {
+            checksum: chunk.checksums[slot],
+            placed: chunk.placed & bit != 0,
+        };
+        chunk.known &= !bit;
+        chunk.placed &= !bit;
+        if chunk.known == 0 {
+            self.chunks.remove(&key);
+        }
+        self.pending.remove(&addr);
+        self.len -= 1;
+        Some(info)
+    }
+
+    /// The known pages in `start..end`, in address order.
+    pub fn pages_in(&self, start: u64, end: u64) -> Vec<(u64, PageInfo)> {
+        let mut out = Vec::new();
+        if start >= end {
+            return out;
+        }
+        for (&key, chunk) in self
+            .chunks
+            .range(start / CHUNK_SPAN..=(end - 1) / CHUNK_SPAN)
+        {
+            let mut known = chunk.known;
+            while known != 0 {
+                let slot = known.trailing_zeros() as u64;
+                known &= known - 1;
+                let addr = key * CHUNK_SPAN + slot * PAGE_SIZE;
+                if (start..end).contains(&addr) {
+                    out.push((
+                        addr,
+                        PageInfo {
+                            checksum: chunk.checksums[slot as usize],
+                            placed: chunk.placed >> slot & 1 == 1,
+                        },
+                    ));
+                }
+            }
+        }
+        out
+    }
+
+    /// Pages hashed once and waiting for the gate, in `start..end`.
+    pub fn pending_in(&self, start: u64, end: u64) -> impl Iterator<Item = u64> + '_ {
+        self.pending.range(start..end).copied()
+    }
+
+    /// Forgets every page outside `vmas` and returns them (the caller takes placed ones out
+    /// of the index).
+    pub fn keep_within(&mut self, vmas: &[Vma]) -> Vec<(u64, PageInfo)> {
+        self.scanned = self.scanned.clip_to(vmas);
+        let mut inside = RangeSet::default();
+        for vma in vmas {
+            inside.insert(Range::new(vma.start, vma.end));
+        }
+        let mut gone = Vec::new();
+        let mut from = 0;
+        for range in inside
+            .as_slice()
+            .iter()
+            .copied()
+            .chain([Range::new(u64::MAX, u64::MAX)])
+        {
+            if from < range.start && self.chunks.range(from / CHUNK_SPAN..).next().is_some() {
+                gone.extend(self.pages_in(from, range.start));
+            }
+            from = range.end;
+        }
+        for &(addr, _) in &gone {
+            self.remove(addr);
+        }
+        gone
+    }
+
+    /// Forgets everything (a scan that failed half-way); returns what was known.
+    pub fn clear(&mut self) -> Vec<(u64, PageInfo)> {
+        let all = self.pages_in(0, u64::MAX);
+        *self = PageState::default();
+        all
+    }
+
+    /// Bytes of heap this state holds (chunks, pending set, scanned ranges), approximately.
+    pub fn heap_bytes(&self) -> u64 {
+        // A B-tree entry costs about twice its key and value.
+        let chunks = self.chunks.len() as u64 * (size_of::<Chunk>() as u64 + 32);
+        chunks + self.pending.len() as u64 * 16 + self.scanned.as_slice().len() as u64 * 16
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const P: u64 = PAGE_SIZE;
+
+    #[test]
+    fn pages_are_set_read_and_forgotten() {
+        let mut state = PageState::default();
+        state.set(
+            5 * P,
+            PageInfo {
+                checksum: 7,
+                placed: false,
+            },
+        );
+        state.set(
+            70 * P,
+            PageInfo {
+                checksum: 9,
+                placed: true,
+            },
+        );
+        assert_eq!(state.len(), 2);
+        assert_eq!(state.pending_in(0, u64::MAX).collect::<Vec<_>>(), [5 * P]);
+        assert_eq!(
+            state.get(70 * P),
+            Some(PageInfo {
+                checksum: 9,
+                placed: true
+            })
+        );
+        assert_eq!(state.get(6 * P), None);
+        assert_eq!(
+            state
+                .pages_in(0, 71 * P)
+                .iter()
+                .map(|p| p.0)
+                .collect::<Vec<_>>(),
+            [5 * P, 70 * P]
+        );
+        // Placing a pending page takes it off the pending list.
+        state.set(
+            5 * P,
+            PageInfo {
+                checksum: 7,
+                placed: true,
+            },
+        );
+        assert_eq!(state.pending_in(0, u64::MAX).count(), 0);
+        assert!(state.remove(5 * P).is_some_and(|p| p.placed));
+        assert_eq!(state.len(), 1);
+        assert_eq!(state.chunks.len(), 1, "an empty chunk is freed");
+    }
+
+    #[test]
+    fn pages_outside_the_vmas_are_forgotten() {
+        let mut state = PageState::default();
+        for page in [1, 10, 100, 1000] {
+            state.set(
+                page * P,
+                PageInfo {
+                    checksum: page,
+                    placed: true,
+                },
+            );
+        }
+        let gone =
+            state.keep_within(&[Vma::anonymous(0, 50 * P), Vma::anonymous(900 * P, 2000 * P)]);
+        assert_eq!(gone.iter().map(|p| p.0).collect::<Vec<_>>(), [100 * P]);
+        assert_eq!(state.len(), 3);
+    }
+
+    #[test]
+    fn a_sparse_terabyte_costs_what_its_present_pages_cost() {
+        let mut state = PageState::default();
+        // 16 pages touched, 64 GiB apart, in a 1 TiB mapping.
+        for i in 0..16u64 {
+            state.set(
+                i * (64 << 30),
+                PageInfo {
+                    checksum: i,
+                    placed: true,
+                },
+            );
+        }
+        assert!(
+            state.heap_bytes() < 16 * 1024,
+            "{} bytes",
+            state.heap_bytes()
+        );
+        // Dense memory: about 8 bytes a page.
+        let mut dense = PageState::default();
+        for i in 0..65_536u64 {
+            dense.set(
+                i * P,
+                PageInfo {
+                    checksum: i,
+                    placed: true,
+                },
+            );
+        }
+        assert!(dense.heap_bytes() / 65_536 <= 10);
+    }
+}
