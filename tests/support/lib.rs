@@ -4,13 +4,48 @@
 
 use std::{
     io::{BufRead, BufReader, Write},
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::{Child, ChildStdin, ChildStdout, Command, Stdio},
     time::{Duration, Instant},
 };
 
 /// Page size of the machines rksm runs on.
 pub const PAGE: u64 = 4096;
+
+/// The content the test child writes for `seed` (its `word` function, page by page).
+pub fn seed_content(seed: u64) -> Vec<u8> {
+    (0..PAGE as usize / 8)
+        .flat_map(|i| {
+            {
+                (seed.wrapping_add(1))
+                    .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                    .rotate_left((i % 64) as u32)
+                    ^ i as u64
+            }
+            .to_ne_bytes()
+        })
+        .collect()
+}
+
+/// A file of `pages` pages of `seed`'s content, removed when dropped.
+pub struct SeedFile(pub PathBuf);
+
+impl SeedFile {
+    /// Writes it on a disk file system (O_DIRECT needs one; tmpfs may not do it).
+    pub fn new(name: &str, seed: u64, pages: u64) -> SeedFile {
+        let path = PathBuf::from(format!("/var/tmp/rksm-{}-{name}", std::process::id()));
+        let page = seed_content(seed);
+        let all: Vec<u8> = (0..pages).flat_map(|_| page.iter().copied()).collect();
+        std::fs::write(&path, all).unwrap();
+        SeedFile(path)
+    }
+}
+
+impl Drop for SeedFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
 
 /// A running `rksm-testchild`, killed when dropped.
 pub struct TestChild {
@@ -108,6 +143,11 @@ impl TestChild {
         self.parse_mapped(&format!("map {pages}"))
     }
 
+    /// Maps `pages` fresh pages with MAP_NORESERVE (a sparse arena).
+    pub fn map_sparse(&mut self, pages: u64) -> Region {
+        self.parse_mapped(&format!("mapsparse {pages}"))
+    }
+
     /// Maps `pages` fresh pages at `base` (which must be free).
     pub fn map_at(&mut self, pages: u64, base: u64) -> Region {
         let region = self.parse_mapped(&format!("map {pages} {base:#x}"));
@@ -186,6 +226,37 @@ impl TestChild {
     }
 
     /// Unmaps the region.
+    /// Fills pages from the file at `path`, the kernel writing them: `how` is `read`,
+    /// `direct` (O_DIRECT) or `recv`.
+    pub fn read_into(&mut self, region: Region, first: u64, count: u64, path: &Path, how: &str) {
+        let reply = self.command(&format!(
+            "readinto {} {first} {count} {} {how}",
+            region.id,
+            path.display()
+        ));
+        assert_eq!(reply, "ok", "readinto {how}");
+    }
+
+    /// MADV_DONTNEED over the pages.
+    pub fn dont_need(&mut self, region: Region, first: u64, count: u64) {
+        assert_eq!(
+            self.command(&format!("dontneed {} {first} {count}", region.id)),
+            "ok"
+        );
+    }
+
+    /// Moves `region` onto `onto`'s place; returns the moved region.
+    pub fn mremap(&mut self, region: Region, onto: Region) -> Region {
+        assert_eq!(
+            self.command(&format!("mremap {} {}", region.id, onto.id)),
+            "ok"
+        );
+        Region {
+            base: onto.base,
+            ..region
+        }
+    }
+
     pub fn unmap(&mut self, region: Region) {
         assert_eq!(self.command(&format!("unmap {}", region.id)), "ok");
     }

@@ -5,12 +5,20 @@
 //!
 //! - `map PAGES` → `mapped ID ADDR`: a private anonymous region, huge pages off (a huge
 //!   page would make one fault cover 512 pages).
+//! - `mapsparse PAGES` → `mapped ID ADDR`: the same with MAP_NORESERVE (a terabyte arena).
 //! - `write ID FIRST COUNT SEED` → `ok`: fills pages `FIRST..FIRST+COUNT` with the content of
 //!   `SEED` (the same content for every page, so equal seeds make duplicate pages).
 //! - `unique ID FIRST COUNT SEED` → `ok`: page `FIRST+i` gets the content of `SEED+i`.
 //! - `fill ID FIRST COUNT BYTE` → `ok`: every byte of the pages is `BYTE` (0: zero-filled
 //!   private pages, as opposed to the kernel's zero page that reading a fresh page maps).
 //! - `read ID FIRST COUNT` → `ok SUM`: reads one word of each page, writes nothing.
+//! - `readinto ID FIRST COUNT PATH HOW` → `ok`: fills the pages from the file at PATH, the
+//!   kernel writing them for the child: HOW is `read` (read(2)), `direct` (an O_DIRECT read:
+//!   get_user_pages, no fault at all) or `recv` (a thread sends the file over a socket pair
+//!   and recv(2) with MSG_WAITALL takes it in).
+//! - `dontneed ID FIRST COUNT` → `ok`: MADV_DONTNEED (the pages read as zeros until written).
+//! - `mremap ID TO` → `ok`: moves region ID onto region TO's place (same size), which it
+//!   replaces; region ID then names the moved pages.
 //! - `fork` → `forked PID`: a child sharing all memory copy-on-write, killed with its parent.
 //! - `unmap ID` → `ok`: unmaps the region.
 //! - `threads N` → `threads ADDR`: N threads that keep incrementing the u64 at ADDR.
@@ -27,7 +35,10 @@
 //!
 //! Accesses are volatile so the compiler can neither drop nor merge them.
 
-use std::io::{self, BufRead, Write};
+use std::{
+    io::{self, BufRead, Write},
+    os::unix::fs::OpenOptionsExt,
+};
 
 const PAGE: usize = 4096;
 const WORDS: usize = PAGE / 8;
@@ -47,13 +58,13 @@ struct Region {
 
 impl Region {
     /// Maps `pages` fresh pages, at `at` if given (never over an existing mapping).
-    fn map(pages: usize, at: Option<usize>) -> Result<Region, String> {
+    fn map(pages: usize, at: Option<usize>, noreserve: bool) -> Result<Region, String> {
         let len = pages * PAGE;
         let fixed = if at.is_some() {
             libc::MAP_FIXED_NOREPLACE
         } else {
             0
-        };
+        } | if noreserve { libc::MAP_NORESERVE } else { 0 };
         // SAFETY: a fresh anonymous mapping; MAP_FIXED_NOREPLACE fails rather than replace
         // an existing one, so no existing memory is affected.
         let ptr = unsafe {
@@ -115,7 +126,13 @@ fn run(line: &str, regions: &mut Vec<Region>) -> Result<String, String> {
                 ),
                 None => None,
             };
-            let r = Region::map(num(1)? as usize, at)?;
+            let r = Region::map(num(1)? as usize, at, false)?;
+            let reply = format!("mapped {} {:#x}", regions.len(), r.base as usize);
+            regions.push(r);
+            Ok(reply)
+        }
+        Some("mapsparse") => {
+            let r = Region::map(num(1)? as usize, None, true)?;
             let reply = format!("mapped {} {:#x}", regions.len(), r.base as usize);
             regions.push(r);
             Ok(reply)
@@ -176,6 +193,93 @@ fn run(line: &str, regions: &mut Vec<Region>) -> Result<String, String> {
                 }
                 pid => Ok(format!("forked {pid}")),
             }
+        }
+        Some("readinto") => {
+            let r = region(num(1)?)?;
+            let (first, count) = (num(2)? as usize, num(3)? as usize);
+            let (path, how) = match (words.get(4), words.get(5)) {
+                (Some(path), Some(how)) => (*path, *how),
+                _ => return Err("readinto ID FIRST COUNT PATH read|direct|recv".into()),
+            };
+            if first + count > r.pages {
+                return Err("outside the region".into());
+            }
+            let len = count * PAGE;
+            let dst = r.page(first)?.cast::<libc::c_void>();
+            let flags = if how == "direct" { libc::O_DIRECT } else { 0 };
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(flags)
+                .open(path)
+                .map_err(|e| format!("{path}: {e}"))?;
+            use std::os::fd::AsRawFd;
+            let got = match how {
+                "read" | "direct" => {
+                    // SAFETY: dst..dst+len lies inside the region (checked above).
+                    unsafe { libc::read(file.as_raw_fd(), dst, len) }
+                }
+                "recv" => {
+                    let (mine, theirs) = std::os::unix::net::UnixStream::pair()
+                        .map_err(|e| format!("socketpair: {e}"))?;
+                    let mut file = file;
+                    let sender = std::thread::spawn(move || {
+                        let mut theirs = theirs;
+                        io::copy(&mut file, &mut theirs).map(|_| ())
+                    });
+                    // SAFETY: as above; MSG_WAITALL waits for all `len` bytes.
+                    let got = unsafe { libc::recv(mine.as_raw_fd(), dst, len, libc::MSG_WAITALL) };
+                    sender
+                        .join()
+                        .map_err(|_| "sender panicked".to_string())?
+                        .map_err(|e| format!("send: {e}"))?;
+                    got
+                }
+                other => return Err(format!("unknown way to read: {other}")),
+            };
+            if got != len as isize {
+                return Err(format!(
+                    "{how}: {got} of {len} bytes: {}",
+                    io::Error::last_os_error()
+                ));
+            }
+            Ok("ok".into())
+        }
+        Some("dontneed") => {
+            let r = region(num(1)?)?;
+            let (first, count) = (num(2)? as usize, num(3)? as usize);
+            if first + count > r.pages {
+                return Err("outside the region".into());
+            }
+            // SAFETY: the range lies inside the region; DONTNEED only drops its contents.
+            if unsafe { libc::madvise(r.page(first)?.cast(), count * PAGE, libc::MADV_DONTNEED) }
+                != 0
+            {
+                return Err(format!("madvise: {}", io::Error::last_os_error()));
+            }
+            Ok("ok".into())
+        }
+        Some("mremap") => {
+            let (id, to) = (num(1)? as usize, num(2)? as usize);
+            let (r, dest) = (region(id as u64)?, region(to as u64)?);
+            if r.pages != dest.pages {
+                return Err("regions of different sizes".into());
+            }
+            // SAFETY: moves this program's region onto another of its regions, which it
+            // replaces (MREMAP_FIXED); neither address is used for anything else.
+            let moved = unsafe {
+                libc::mremap(
+                    r.base.cast(),
+                    r.pages * PAGE,
+                    dest.pages * PAGE,
+                    libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+                    dest.base.cast::<libc::c_void>(),
+                )
+            };
+            if moved == libc::MAP_FAILED {
+                return Err(format!("mremap: {}", io::Error::last_os_error()));
+            }
+            regions[id].base = moved.cast();
+            Ok("ok".into())
         }
         Some("unmap") => {
             let r = region(num(1)?)?;

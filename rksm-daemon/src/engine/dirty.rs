@@ -18,7 +18,7 @@ use crate::{
     kernel::{
         arming::{ArmError, Armed},
         process::Process,
-        procfs::Vma,
+        procfs::{KpageFlags, Pagemap, PagemapEntry, Vma},
         ranges::{Range, RangeSet},
         remote::{RemoteError, RemoteSession},
     },
@@ -193,6 +193,7 @@ fn protect(
     let armed = armed(process, &mut state.arming, remote_syscalls)?;
     // Only ranges armed *before* this call (and still armed after protecting, which finds
     // ranges that lost their registration) have pages whose cleanliness can be trusted.
+    armed.forget_lost(vmas);
     let before = armed.armed_ranges().clone();
     armed.register(vmas);
     let written = armed.protect();
@@ -233,6 +234,26 @@ fn audit_slice(ranges: &RangeSet, cursor: &mut u64, passes: u32) -> Vec<Range> {
     let mut set = RangeSet::default();
     set.union(&slice);
     set.as_slice().to_vec()
+}
+
+/// How many of `pages` (of `pid`) are mapped to KSM pages.
+fn merged_by_ksm(pid: u32, pages: &[u64]) -> u64 {
+    if pages.is_empty() {
+        return 0;
+    }
+    let (Ok(pagemap), Ok(flags)) = (Pagemap::open(pid), KpageFlags::open()) else {
+        return 0;
+    };
+    let mut entry = [PagemapEntry(0)];
+    pages
+        .iter()
+        .filter(|&&page| {
+            matches!(pagemap.read(page, &mut entry), Ok(1))
+                && entry[0]
+                    .pfn()
+                    .is_some_and(|pfn| flags.get(pfn).is_ok_and(|f| f.ksm()))
+        })
+        .count() as u64
 }
 
 /// Whether `pid` holds a KVM vCPU or the KVM device: its guest's writes to its memory never
@@ -336,6 +357,7 @@ impl DirtySource for EbpfSource {
         let Some(armed) = armed(process, &mut state.arming, &mut self.remote_syscalls) else {
             return Ok(DirtySet::All);
         };
+        armed.forget_lost(vmas);
         let armed_before = armed.armed_ranges().clone();
         armed.register(vmas);
         let mut written: HashSet<u64>;
@@ -362,11 +384,14 @@ impl DirtySource for EbpfSource {
             // Every fault is recorded before the kernel makes its page writable, so a page
             // the audit saw written is in the records taken by now, unless it was written
             // without a fault.
-            let missed = audit
+            let unseen: Vec<u64> = audit
                 .pages
                 .iter()
+                .copied()
                 .filter(|p| !written.contains(p) && !audit.zero_page.contains(p))
-                .count() as u64;
+                .collect();
+            // ksmd merging a page maps the KSM page without the protection: no write.
+            let missed = unseen.len() as u64 - merged_by_ksm(pid, &unseen);
             written.extend(audit.pages);
             if missed > 0 {
                 state.misses += missed;

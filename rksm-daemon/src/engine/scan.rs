@@ -538,17 +538,30 @@ impl Scanner {
         let mut counts = PageCounts::default();
         let mut done = 0;
         for range in &work.full {
-            let mut from = range.start;
-            while from < range.end {
-                let n = (((range.end - from) / PAGE_SIZE) as usize).min(CHUNK_PAGES);
-                let got = self.scan_run(&open, &mut target.pages, from, n, None, &mut counts)?;
-                if got == 0 {
-                    break;
+            // Only the present pages are looked at; pages known from before and absent now
+            // are forgotten.
+            let present = open.pagemap.present_runs(range.start, range.end)?;
+            let mut gap_start = range.start;
+            for run in present.iter().chain([&Range::new(range.end, range.end)]) {
+                for (addr, _) in target.pages.pages_in(gap_start, run.start) {
+                    target.pages.remove(addr);
                 }
-                from += got as u64 * PAGE_SIZE;
-                done += got as u64;
-                progress(done);
+                gap_start = run.end;
             }
+            for run in &present {
+                let mut from = run.start;
+                while from < run.end {
+                    let n = (((run.end - from) / PAGE_SIZE) as usize).min(CHUNK_PAGES);
+                    let got =
+                        self.scan_run(&open, &mut target.pages, from, n, None, &mut counts)?;
+                    if got == 0 {
+                        break;
+                    }
+                    from += got as u64 * PAGE_SIZE;
+                }
+            }
+            done += range.pages();
+            progress(done);
         }
         let sparse = &work.sparse;
         let mut i = 0;

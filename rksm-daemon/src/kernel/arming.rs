@@ -28,7 +28,7 @@ use rksm_common::PAGE_SIZE;
 
 use crate::kernel::{
     process::Process,
-    procfs::Vma,
+    procfs::{pagemap_scan, PageRegion, PmScanArg, Vma, PAGE_IS_PFNZERO, PAGE_IS_WRITTEN},
     ranges::{Range, RangeSet},
     remote::{nr, RemoteError, RemoteSession},
 };
@@ -41,8 +41,6 @@ const UFFDIO_REGISTER_MODE_WP: u64 = 1 << 1;
 const UFFDIO_WRITEPROTECT_MODE_WP: u64 = 1 << 0;
 const PM_SCAN_WP_MATCHING: u64 = 1 << 0;
 const PM_SCAN_CHECK_WPASYNC: u64 = 1 << 1;
-const PAGE_IS_WRITTEN: u64 = 1 << 1;
-const PAGE_IS_PFNZERO: u64 = 1 << 5;
 
 #[repr(C)]
 struct UffdioApi {
@@ -66,35 +64,9 @@ struct UffdioWriteprotect {
     mode: u64,
 }
 
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct PageRegion {
-    start: u64,
-    end: u64,
-    categories: u64,
-}
-
-#[repr(C)]
-#[derive(Default)]
-struct PmScanArg {
-    size: u64,
-    flags: u64,
-    start: u64,
-    end: u64,
-    walk_end: u64,
-    vec: u64,
-    vec_len: u64,
-    max_pages: u64,
-    category_inverted: u64,
-    category_mask: u64,
-    category_anyof_mask: u64,
-    return_mask: u64,
-}
-
 nix::ioctl_readwrite!(uffdio_api, 0xAA, 0x3F, UffdioApi);
 nix::ioctl_readwrite!(uffdio_register, 0xAA, 0x00, UffdioRegister);
 nix::ioctl_readwrite!(uffdio_writeprotect, 0xAA, 0x06, UffdioWriteprotect);
-nix::ioctl_readwrite!(pagemap_scan, b'f', 16, PmScanArg);
 
 /// What a PAGEMAP_SCAN over some ranges found written (and protected again).
 #[derive(Debug, Default)]
@@ -265,6 +237,51 @@ impl Armed {
         }
     }
 
+    /// Forgets registrations the kernel no longer has. A VMA unmapped and mapped again at an
+    /// armed address (`mmap`, `mremap` onto it) is a new VMA without the registration, whose
+    /// writes neither fault nor show as written: it must be registered again and read in
+    /// full. One single-page PAGEMAP_SCAN per VMA asks the kernel.
+    pub fn forget_lost(&mut self, vmas: &[Vma]) {
+        self.registered = self.registered.clip_to(vmas);
+        self.refused = self.refused.clip_to(vmas);
+        let mut lost = Vec::new();
+        let mut region = [PageRegion::default()];
+        for vma in vmas {
+            let Some(first) = self
+                .registered
+                .within(Range::new(vma.start, vma.end))
+                .first()
+                .copied()
+            else {
+                continue;
+            };
+            let mut arg = PmScanArg {
+                size: size_of::<PmScanArg>() as u64,
+                flags: PM_SCAN_CHECK_WPASYNC,
+                start: first.start,
+                end: first.start + PAGE_SIZE,
+                vec: region.as_mut_ptr() as u64,
+                vec_len: 1,
+                category_mask: PAGE_IS_WRITTEN,
+                return_mask: PAGE_IS_WRITTEN,
+                ..PmScanArg::default()
+            };
+            // SAFETY: `arg` describes `region`, which outlives the call; without
+            // PM_SCAN_WP_MATCHING the scan changes nothing.
+            if unsafe { pagemap_scan(self.pagemap.as_raw_fd(), &mut arg) }.is_err() {
+                log::debug!(
+                    "pid {}: {:#x}-{:#x} lost its registration (mapped anew)",
+                    self.pid,
+                    vma.start,
+                    vma.end
+                );
+                lost.push(Range::new(vma.start, vma.end));
+            }
+        }
+        lost.sort_unstable_by_key(|r| r.start);
+        self.registered.remove(&lost);
+    }
+
     /// Ranges whose pages are write-protected after [`Armed::protect`].
     pub fn armed_ranges(&self) -> &RangeSet {
         &self.registered
@@ -390,8 +407,6 @@ mod tests {
     fn kernel_structures_have_the_kernels_sizes() {
         assert_eq!(size_of::<UffdioApi>(), 24);
         assert_eq!(size_of::<UffdioRegister>(), 32);
-        assert_eq!(size_of::<PageRegion>(), 24);
-        assert_eq!(size_of::<PmScanArg>(), 96);
         assert_eq!(size_of::<UffdioWriteprotect>(), 24);
     }
 }

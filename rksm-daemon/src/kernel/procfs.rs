@@ -8,11 +8,47 @@
 use std::{
     fs::File,
     io::{self, BufRead, BufReader},
-    os::unix::fs::FileExt,
+    os::{fd::AsRawFd, unix::fs::FileExt},
     path::PathBuf,
 };
 
 use rksm_common::PAGE_SIZE;
+
+use crate::kernel::ranges::Range;
+
+/// PAGEMAP_SCAN (Linux 6.7): the pages of a range by category, one region per run.
+pub(crate) const PAGE_IS_WRITTEN: u64 = 1 << 1;
+pub(crate) const PAGE_IS_PRESENT: u64 = 1 << 3;
+pub(crate) const PAGE_IS_PFNZERO: u64 = 1 << 5;
+
+/// `struct page_region`.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct PageRegion {
+    pub start: u64,
+    pub end: u64,
+    pub categories: u64,
+}
+
+/// `struct pm_scan_arg`.
+#[repr(C)]
+#[derive(Default)]
+pub(crate) struct PmScanArg {
+    pub size: u64,
+    pub flags: u64,
+    pub start: u64,
+    pub end: u64,
+    pub walk_end: u64,
+    pub vec: u64,
+    pub vec_len: u64,
+    pub max_pages: u64,
+    pub category_inverted: u64,
+    pub category_mask: u64,
+    pub category_anyof_mask: u64,
+    pub return_mask: u64,
+}
+
+nix::ioctl_readwrite!(pagemap_scan, b'f', 16, PmScanArg);
 
 /// Errors reading /proc.
 #[derive(Debug, thiserror::Error)]
@@ -252,6 +288,42 @@ impl Pagemap {
         let path = PathBuf::from(format!("/proc/{pid}/pagemap"));
         let file = File::open(&path).map_err(|e| io_error(pid, path.clone(), e))?;
         Ok(Pagemap { pid, path, file })
+    }
+
+    /// The runs of present pages in `start..end`, from the kernel's page-table walk: a
+    /// sparse mapping (a 1 TiB arena with a few pages touched) costs what its present pages
+    /// cost, not one pagemap entry per virtual page.
+    pub fn present_runs(&self, start: u64, end: u64) -> Result<Vec<Range>, ProcfsError> {
+        let mut runs = Vec::new();
+        let mut regions = vec![PageRegion::default(); 512];
+        let mut from = start;
+        while from < end {
+            let mut arg = PmScanArg {
+                size: size_of::<PmScanArg>() as u64,
+                start: from,
+                end,
+                vec: regions.as_mut_ptr() as u64,
+                vec_len: regions.len() as u64,
+                category_mask: PAGE_IS_PRESENT,
+                return_mask: PAGE_IS_PRESENT,
+                ..PmScanArg::default()
+            };
+            // SAFETY: `arg` describes `regions`, which outlives the call; the kernel writes
+            // at most vec_len entries and nothing else.
+            let n = unsafe { pagemap_scan(self.file.as_raw_fd(), &mut arg) }
+                .map_err(|e| io_error(self.pid, self.path.clone(), e.into()))?;
+            runs.extend(
+                regions[..n as usize]
+                    .iter()
+                    .map(|r| Range::new(r.start, r.end)),
+            );
+            from = if arg.walk_end > from {
+                arg.walk_end
+            } else {
+                end
+            };
+        }
+        Ok(runs)
     }
 
     /// Fills `entries` with the entries of the pages starting at `start`; returns how many
