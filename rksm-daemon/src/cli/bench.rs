@@ -16,7 +16,8 @@ use super::BadInput;
 
 /// Compare ksmd and rksm's modes on the same workload, side by side, in one run.
 ///
-/// Runs ksmd at its default settings, ksmd paced like rksm, and the rksm daemon in hash-only,
+/// Runs ksmd at its default settings, ksmd paced to sweep in rksm's interval, ksmd steered by
+/// the kernel's advisor, and the rksm daemon in hash-only,
 /// pagemap and ebpf mode with xxh64 and crc32c, each on fresh workload processes, and reports
 /// pages_sharing over time, time and CPU (rksm + ksmd) to 90% of the achievable savings, pages
 /// hashed per pass, checksum time, CoW breaks, pages_unshared, and an integrity check of every
@@ -26,7 +27,8 @@ use super::BadInput;
     after_help = "Example:\n  rksm bench --quick\n  rksm bench --profile mixed --repeat 3 --out bench-report --json"
 )]
 pub struct BenchArgs {
-    /// Workload: quick, static, mixed, large, or a JSON file with the fields of a profile.
+    /// Workload: quick, static, mixed, static-4g, large, or a JSON file with the fields of a
+    /// profile.
     #[arg(long, value_name = "NAME|FILE")]
     profile: Option<String>,
     /// Small workload, short runs, one repetition: under 3 minutes.
@@ -42,6 +44,10 @@ pub struct BenchArgs {
     /// Write report.md, report.json and pages_sharing.svg here.
     #[arg(long, value_name = "DIR")]
     out: Option<PathBuf>,
+    /// Only these configurations, comma-separated (ksmd, ksmd-tuned, ksmd-advisor, hash-only,
+    /// pagemap, ebpf) [default: all].
+    #[arg(long, value_name = "LIST", value_delimiter = ',')]
+    only: Vec<String>,
     /// Print `{"runs":[...]}` instead of the table.
     #[arg(long)]
     json: bool,
@@ -66,8 +72,20 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         repeat: args.repeat.unwrap_or(if args.quick { 1 } else { 3 }),
         ksmd_default_cap: if args.quick { 45.0 } else { 180.0 },
     };
+    let mut names: Vec<&str> = bench::matrix().iter().map(|(c, _)| c.name()).collect();
+    names.dedup();
+    if let Some(bad) = args.only.iter().find(|o| !names.contains(&o.as_str())) {
+        return Err(BadInput(format!(
+            "--only: unknown configuration `{bad}` (expected {})",
+            names.join(", ")
+        ))
+        .into());
+    }
     let mut results: Vec<RunResult> = Vec::new();
     for (config, checksum) in bench::matrix() {
+        if !args.only.is_empty() && !args.only.iter().any(|o| o == config.name()) {
+            continue;
+        }
         let mut runs = Vec::new();
         for rep in 1..=plan.repeat {
             log::info!(

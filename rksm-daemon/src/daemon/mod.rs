@@ -53,6 +53,9 @@ use crate::{
     },
 };
 
+/// How often, at most, the daemon drains the tracer's ring between passes.
+pub const DRAIN_EVERY: Duration = Duration::from_millis(100);
+
 /// How the daemon decides which pages to hash again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum DirtyMode {
@@ -754,15 +757,25 @@ impl Daemon {
     }
 
     /// Waits until `deadline`, draining the tracer as records arrive; returns early (false)
-    /// when one of `interrupts` becomes readable (a signalfd, a child's pidfd).
+    /// when one of `interrupts` becomes readable (a signalfd, a child's pidfd). The ring is
+    /// drained at most every [`DRAIN_EVERY`]: waking for each record would cost a context
+    /// switch per write fault, and the ring holds far more than that interval's faults.
     pub fn wait(&mut self, deadline: Instant, interrupts: &[BorrowedFd<'_>]) -> bool {
+        let mut ring_quiet_until = Instant::now();
         loop {
-            let left = deadline.saturating_duration_since(Instant::now());
+            let now = Instant::now();
+            let left = deadline.saturating_duration_since(now);
             if left.is_zero() {
                 return true;
             }
+            let watch_ring = now >= ring_quiet_until;
+            let step = if watch_ring {
+                left
+            } else {
+                left.min(ring_quiet_until - now)
+            };
             let timeout =
-                PollTimeout::try_from(left.min(Duration::from_secs(1))).unwrap_or(PollTimeout::MAX);
+                PollTimeout::try_from(step.min(Duration::from_secs(1))).unwrap_or(PollTimeout::MAX);
             let recorder = self.recorder.clone();
             let recorder_ref = recorder.as_ref().map(|r| r.borrow());
             let records = recorder_ref.as_ref().map(|r| r.records_fd());
@@ -770,17 +783,25 @@ impl Daemon {
                 .iter()
                 .map(|&fd| PollFd::new(fd, PollFlags::POLLIN))
                 .collect();
-            if let Some(fd) = records {
+            if let Some(fd) = records.filter(|_| watch_ring) {
                 fds.push(PollFd::new(fd, PollFlags::POLLIN));
             }
             let _ = poll(&mut fds, timeout);
             let interrupted = fds[..interrupts.len()]
                 .iter()
                 .any(|fd| fd.revents().is_some_and(|r| !r.is_empty()));
+            let ring_woke = watch_ring
+                && fds
+                    .get(interrupts.len())
+                    .and_then(|fd| fd.revents())
+                    .is_some_and(|r| !r.is_empty());
             drop(fds);
             drop(recorder_ref);
             if let Some(r) = &recorder {
                 r.borrow_mut().drain();
+            }
+            if ring_woke {
+                ring_quiet_until = Instant::now() + DRAIN_EVERY;
             }
             if interrupted {
                 return false;

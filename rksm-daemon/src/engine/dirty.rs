@@ -236,24 +236,37 @@ fn audit_slice(ranges: &RangeSet, cursor: &mut u64, passes: u32) -> Vec<Range> {
     set.as_slice().to_vec()
 }
 
-/// How many of `pages` (of `pid`) are mapped to KSM pages.
-fn merged_by_ksm(pid: u32, pages: &[u64]) -> u64 {
+/// Those of `pages` (of `pid`, sorted) that are mapped to KSM pages: one pagemap read per
+/// run of consecutive pages, one kpageflags read per page.
+fn merged_by_ksm(pid: u32, pages: &[u64]) -> HashSet<u64> {
+    let mut merged = HashSet::new();
     if pages.is_empty() {
-        return 0;
+        return merged;
     }
     let (Ok(pagemap), Ok(flags)) = (Pagemap::open(pid), KpageFlags::open()) else {
-        return 0;
+        return merged;
     };
-    let mut entry = [PagemapEntry(0)];
-    pages
-        .iter()
-        .filter(|&&page| {
-            matches!(pagemap.read(page, &mut entry), Ok(1))
-                && entry[0]
-                    .pfn()
-                    .is_some_and(|pfn| flags.get(pfn).is_ok_and(|f| f.ksm()))
-        })
-        .count() as u64
+    let mut entries = vec![PagemapEntry(0); 512];
+    let mut i = 0;
+    while i < pages.len() {
+        let mut j = i + 1;
+        while j < pages.len() && pages[j] == pages[j - 1] + PAGE_SIZE && j - i < entries.len() {
+            j += 1;
+        }
+        let Ok(got) = pagemap.read(pages[i], &mut entries[..j - i]) else {
+            return merged;
+        };
+        for (k, entry) in entries[..got].iter().enumerate() {
+            if entry
+                .pfn()
+                .is_some_and(|pfn| !entry.exclusive() && flags.get(pfn).is_ok_and(|f| f.ksm()))
+            {
+                merged.insert(pages[i + k]);
+            }
+        }
+        i = j;
+    }
+    merged
 }
 
 /// Whether `pid` holds a KVM vCPU or the KVM device: its guest's writes to its memory never
@@ -384,15 +397,18 @@ impl DirtySource for EbpfSource {
             // Every fault is recorded before the kernel makes its page writable, so a page
             // the audit saw written is in the records taken by now, unless it was written
             // without a fault.
-            let unseen: Vec<u64> = audit
+            let mut unseen: Vec<u64> = audit
                 .pages
                 .iter()
                 .copied()
                 .filter(|p| !written.contains(p) && !audit.zero_page.contains(p))
                 .collect();
-            // ksmd merging a page maps the KSM page without the protection: no write.
-            let missed = unseen.len() as u64 - merged_by_ksm(pid, &unseen);
-            written.extend(audit.pages);
+            unseen.sort_unstable();
+            // ksmd merging a page maps the KSM page without the protection: neither a write
+            // nor a change of content.
+            let merged = merged_by_ksm(pid, &unseen);
+            let missed = (unseen.len() - merged.len()) as u64;
+            written.extend(audit.pages.into_iter().filter(|p| !merged.contains(p)));
             if missed > 0 {
                 state.misses += missed;
                 let why = format!(

@@ -287,6 +287,7 @@ pub struct Index {
     contents: u64,
     /// Pages found changed or gone while comparing, taken out of the index.
     stale: Vec<PageRef>,
+    scratch: Option<Box<[u8; PAGE]>>,
 }
 
 /// Representatives kept in memory: 4096 pages, 16 MiB.
@@ -317,6 +318,7 @@ impl Index {
             pages: 0,
             contents: 0,
             stale: Vec::new(),
+            scratch: None,
         }
     }
 
@@ -501,13 +503,27 @@ impl Index {
         src: &mut dyn ContentSource,
     ) -> Lookup {
         let hash = self.hash;
-        let mut buf = Box::new([0u8; PAGE]);
+        // One page of scratch space, kept between calls: a placement allocates nothing.
+        let mut buf = self.scratch.take().unwrap_or_else(|| Box::new([0u8; PAGE]));
+        let found = self.find_with(checksum, page, src, hash, &mut buf);
+        self.scratch = Some(buf);
+        found
+    }
+
+    fn find_with(
+        &mut self,
+        checksum: u64,
+        page: &mut PageUnderTest<'_>,
+        src: &mut dyn ContentSource,
+        hash: PageChecksum,
+        buf: &mut [u8; PAGE],
+    ) -> Lookup {
         if let Some(single) = self.singles.get(&checksum).copied() {
             let rep = single.page();
             let rep_content = if single.zero {
                 Some(&ZERO_PAGE)
             } else {
-                self.rep_content(rep, checksum, src, &mut buf)
+                self.rep_content(rep, checksum, src, buf)
             };
             let Some(rep_content) = rep_content.copied() else {
                 self.remove(rep, checksum);
@@ -536,7 +552,7 @@ impl Index {
             let rep_content = if zero {
                 Some(&ZERO_PAGE)
             } else {
-                self.rep_content(rep, checksum, src, &mut buf)
+                self.rep_content(rep, checksum, src, buf)
             };
             let Some(rep_content) = rep_content.copied() else {
                 // The representative changed or is gone: it leaves, and the class's next
@@ -546,7 +562,7 @@ impl Index {
                 if self.groups.get(&checksum).is_none_or(|c| c.len() <= i) {
                     // The class went, or the checksum moved to `singles`.
                     if self.singles.contains_key(&checksum) {
-                        return self.find(checksum, page, src);
+                        return self.find_with(checksum, page, src, hash, buf);
                     }
                     return Lookup::Missing;
                 }

@@ -75,6 +75,16 @@ impl Profile {
                 ..base
             }),
             "mixed" => Some(base),
+            // Issue 12's steady-state workload: 4 GiB, half of it duplicates, 1% rewritten.
+            "static-4g" => Some(Profile {
+                duplicate_mib: 512,
+                zero_mib: 0,
+                unique_mib: 502,
+                volatile_mib: 10,
+                volatile_pages_per_sec: 50,
+                fork_mib: 0,
+                ..base
+            }),
             // Several GiB in all.
             "large" => Some(Profile {
                 processes: 8,
@@ -96,7 +106,7 @@ impl Profile {
             return Ok(profile);
         }
         let text = std::fs::read_to_string(name_or_file).map_err(|e| {
-            format!("`{name_or_file}` is neither a profile name (quick, static, mixed, large) nor a readable file: {e}")
+            format!("`{name_or_file}` is neither a profile name (quick, static, mixed, static-4g, large) nor a readable file: {e}")
         })?;
         let profile: Profile =
             serde_json::from_str(&text).map_err(|e| format!("{name_or_file}: {e}"))?;
@@ -383,7 +393,7 @@ mod tests {
 
     #[test]
     fn named_profiles_exist_and_files_are_checked() {
-        for name in ["quick", "static", "mixed", "large"] {
+        for name in ["quick", "static", "mixed", "static-4g", "large"] {
             assert!(Profile::named(name).is_some(), "{name}");
         }
         assert!(Profile::load("no-such-profile")
