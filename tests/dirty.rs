@@ -56,6 +56,8 @@ fn pass_and_wait(daemon: &mut Daemon) {
 struct Outcome {
     merged: usize,
     misses: u64,
+    /// Why the target ended up tracked exactly, if it did.
+    exact: Option<String>,
     /// Passes after the change until the first miss was counted.
     passes_to_miss: Option<u32>,
 }
@@ -96,6 +98,9 @@ fn run(mode: DirtyMode, make: &dyn Fn(&mut TestChild, Region, Region) -> Region)
     let outcome = Outcome {
         merged,
         misses: misses(&daemon),
+        exact: daemon
+            .targets()
+            .find_map(|t| t.exact_tracking().map(str::to_string)),
         passes_to_miss,
     };
     daemon.finish();
@@ -132,6 +137,7 @@ fn copies_written_by_the_process_are_merged_in_every_mode() {
         region
     });
     assert_eq!(ebpf.misses, 0, "the tracer sees user writes");
+    assert_eq!(ebpf.exact, None);
 }
 
 #[test]
@@ -164,6 +170,11 @@ fn copies_received_from_a_socket_are_merged_in_every_mode() {
 /// the target is tracked exactly from then on.
 fn found_by_the_audit(ebpf: &Outcome, how: &str) {
     assert!(ebpf.misses > 0, "{how}: no miss counted");
+    let why = ebpf.exact.as_deref().unwrap_or_default();
+    assert!(
+        why.contains("written that the tracer did not"),
+        "{how}: not switched to exact tracking: {why:?}"
+    );
     let passes = ebpf.passes_to_miss.expect("a miss");
     assert!(
         passes <= AUDIT_PASSES,

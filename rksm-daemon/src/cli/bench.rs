@@ -133,7 +133,7 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
 #[derive(Debug, Args)]
 #[command(after_help = "Example:\n  echo verify | rksm workload --profile quick --index 0")]
 pub struct WorkloadArgs {
-    /// quick, static, mixed, large, or a JSON profile file.
+    /// quick, static, mixed, static-4g, large, or a JSON profile file.
     #[arg(long, value_name = "NAME|FILE", default_value = "quick")]
     profile: String,
     /// Which process of the profile this is (unique contents depend on it).

@@ -89,6 +89,9 @@ pub struct DirtyState {
     pub misses: u64,
     /// Where the next audit slice starts.
     audit_cursor: u64,
+    /// Pages the last audit found written that no record names: if their content changed,
+    /// they were written without a fault.
+    pub(crate) unseen: HashSet<u64>,
 }
 
 impl DirtyState {
@@ -100,6 +103,23 @@ impl DirtyState {
     /// Why the tracer is not trusted for this target, if it is not.
     pub fn exact(&self) -> Option<&str> {
         self.exact.as_deref()
+    }
+
+    /// Counts `missed` pages written without a fault (their content changed, and no record
+    /// names them), and tracks the target exactly from now on, saying why once.
+    pub(crate) fn note_misses(&mut self, pid: u32, missed: u64) {
+        if missed == 0 {
+            return;
+        }
+        self.misses += missed;
+        if self.exact.is_none() {
+            let why = format!(
+                "the kernel saw {missed} page(s) written that the tracer did not (writes \
+                 without a fault: process_vm_writev, O_DIRECT, io_uring, a KVM guest)"
+            );
+            log::warn!("pid {pid}: tracking its writes with PAGEMAP_SCAN from now on: {why}");
+            self.exact = Some(why);
+        }
     }
 }
 
@@ -407,17 +427,11 @@ impl DirtySource for EbpfSource {
             // ksmd merging a page maps the KSM page without the protection: neither a write
             // nor a change of content.
             let merged = merged_by_ksm(pid, &unseen);
-            let missed = (unseen.len() - merged.len()) as u64;
             written.extend(audit.pages.into_iter().filter(|p| !merged.contains(p)));
-            if missed > 0 {
-                state.misses += missed;
-                let why = format!(
-                    "the kernel saw {missed} page(s) written that the tracer did not (writes \
-                     without a fault: process_vm_writev, O_DIRECT, io_uring, a KVM guest)"
-                );
-                log::warn!("pid {pid}: tracking its writes with PAGEMAP_SCAN from now on: {why}");
-                state.exact = Some(why);
-            }
+            // The scan rehashes them; those whose content changed are misses. (ksmd's own
+            // copy-on-write of a page it failed to merge writes it without a fault, with the
+            // same bytes: no miss.)
+            state.unseen = unseen.into_iter().filter(|p| !merged.contains(p)).collect();
         }
         state.carried = after.pages;
         if first_time || before.lost || after.lost || !state.tracer.tracked() {

@@ -241,6 +241,8 @@ struct Work {
     sparse: Vec<u64>,
     /// Of `sparse`, the pages whose content may have changed: hashed again.
     rehash: HashSet<u64>,
+    /// Pages the audit found written that no record names: a changed checksum is a miss.
+    unseen: HashSet<u64>,
 }
 
 impl Work {
@@ -519,6 +521,7 @@ impl Scanner {
             full,
             sparse,
             rehash,
+            unseen: std::mem::take(&mut target.dirty.unseen),
         }
     }
 
@@ -537,6 +540,7 @@ impl Scanner {
         };
         let mut counts = PageCounts::default();
         let mut done = 0;
+        let mut misses = 0;
         for range in &work.full {
             // Only the present pages are looked at; pages known from before and absent now
             // are forgotten.
@@ -552,8 +556,16 @@ impl Scanner {
                 let mut from = run.start;
                 while from < run.end {
                     let n = (((run.end - from) / PAGE_SIZE) as usize).min(CHUNK_PAGES);
-                    let got =
-                        self.scan_run(&open, &mut target.pages, from, n, None, &mut counts)?;
+                    let got = self.scan_run(
+                        &open,
+                        &mut target.pages,
+                        from,
+                        n,
+                        None,
+                        &work.unseen,
+                        &mut counts,
+                        &mut misses,
+                    )?;
                     if got == 0 {
                         break;
                     }
@@ -578,7 +590,9 @@ impl Scanner {
                 sparse[i],
                 j - i,
                 Some(&work.rehash),
+                &work.unseen,
                 &mut counts,
+                &mut misses,
             )?;
             done += (j - i) as u64;
             i = j;
@@ -588,12 +602,15 @@ impl Scanner {
             target.pages.scanned.insert(*range);
         }
         counts.pages_skipped_clean = target.pages.len().saturating_sub(counts.scanned_pages);
+        target.dirty.note_misses(pid, misses);
         Ok(counts)
     }
 
     /// Looks at the `n` pages from `start`: forgets the absent, hashes the ones that may
     /// have changed (`rehash`, or all if `None`), places the present, and records them in
-    /// `pages`. Returns how many pages pagemap covered.
+    /// `pages`. A page of `unseen` whose checksum changed is counted in `misses`. Returns
+    /// how many pages pagemap covered.
+    #[allow(clippy::too_many_arguments)]
     fn scan_run(
         &mut self,
         open: &Open,
@@ -601,7 +618,9 @@ impl Scanner {
         start: u64,
         n: usize,
         rehash: Option<&HashSet<u64>>,
+        unseen: &HashSet<u64>,
         counts: &mut PageCounts,
+        misses: &mut u64,
     ) -> Result<usize, ProcessScanError> {
         let pid = open.pid;
         let got = open.pagemap.read(start, &mut self.entries[..n])?;
@@ -706,10 +725,15 @@ impl Scanner {
                     counts.scanned_pages -= 1;
                     continue;
                 }
-                Source::Read(slot) => (
-                    fresh[slot],
-                    Content::Loaded(&self.batch[slot * PAGE..(slot + 1) * PAGE]),
-                ),
+                Source::Read(slot) => {
+                    if fresh[slot] != candidate.previous && unseen.contains(&candidate.addr) {
+                        *misses += 1;
+                    }
+                    (
+                        fresh[slot],
+                        Content::Loaded(&self.batch[slot * PAGE..(slot + 1) * PAGE]),
+                    )
+                }
                 Source::Known => (candidate.previous, Content::Unread),
             };
             let is_zero = checksum == self.zero_checksum

@@ -120,6 +120,13 @@ impl Target {
         &self.domain_name
     }
 
+    /// Why its writes are tracked exactly (PAGEMAP_SCAN over all its armed memory) rather
+    /// than by the tracer, if they are: the audit found writes without a fault, or it
+    /// holds a KVM vCPU.
+    pub fn exact_tracking(&self) -> Option<&str> {
+        self.dirty.exact()
+    }
+
     /// Its counters.
     pub fn counters(&self) -> &TargetCounters {
         &self.counters
