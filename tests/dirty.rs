@@ -255,11 +255,18 @@ fn a_steady_pass_looks_at_no_clean_page_and_the_merges_are_no_misses() {
         child.write(region, 0, N, SEED);
         child.write_unique(other, 0, N, 7000);
         let pid = child.pid();
+        let ksmd_run = || std::fs::read_to_string("/sys/kernel/mm/ksm/run").unwrap();
+        let found_run = ksmd_run();
         let mut daemon = daemon_over(pid, &[region, other], mode);
         assert!(
             passes_until(&mut daemon, || ksm_pages(pid, region, N).len()
                 == N as usize),
             "{mode}: never merged"
+        );
+        // Nothing left to merge: ksmd goes back to what the daemon found.
+        assert!(
+            passes_until(&mut daemon, || ksmd_run() == found_run),
+            "{mode}: ksmd still paced after convergence"
         );
         // Two audit cycles over merged memory: ksmd replacing a page is no write.
         for _ in 0..2 * AUDIT_PASSES {

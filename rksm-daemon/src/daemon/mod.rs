@@ -16,7 +16,7 @@ pub mod domains;
 
 use std::{
     cell::RefCell,
-    collections::{BTreeMap, HashMap, HashSet, VecDeque},
+    collections::{BTreeMap, HashMap, HashSet},
     fmt,
     os::fd::BorrowedFd,
     path::PathBuf,
@@ -258,8 +258,8 @@ pub struct Daemon {
     domains: Domains,
     stats: DaemonStats,
     marking_syscalls: u64,
-    /// Work for ksmd found in each of the last few passes, newest last.
-    recent_work: VecDeque<u64>,
+    /// ksmd is paced to the marked set until its `full_scans` reaches this.
+    ksmd_busy_until: u64,
     started: SystemTime,
     last_pass: Option<PassSummary>,
 }
@@ -326,7 +326,7 @@ impl Daemon {
                 ..DaemonStats::default()
             },
             marking_syscalls: 0,
-            recent_work: VecDeque::new(),
+            ksmd_busy_until: 0,
             started: SystemTime::now(),
             last_pass: None,
         };
@@ -730,18 +730,19 @@ impl Daemon {
         }
     }
 
-    /// Step 7: while there is work for ksmd in the last passes, pace it to sweep the marked
-    /// set in about `ksmd_sweep` (it needs two sweeps to merge a page); once there is none,
-    /// put back the settings found at take-over (stopped, on a host that had not started
-    /// it): after convergence ksmd costs nothing, and an exact dirty bit says when it is
-    /// needed again.
+    /// Step 7: pace ksmd to the work. New work (runs newly marked, duplicates newly found,
+    /// ksmd's `pages_sharing` still moving) keeps it paced to sweep the marked set in about
+    /// `ksmd_sweep` until it has completed three more full scans: a page needs two sweeps
+    /// to be merged, and the scan in progress may have passed its process already. With no
+    /// work left, ksmd gets back the settings found at take-over (stopped, on a host that
+    /// had not started it): after convergence it costs nothing, and the exact dirty bit says
+    /// when it is needed again.
     fn pace_ksmd(&mut self, work: u64) {
-        self.recent_work.push_back(work);
-        if self.recent_work.len() > 3 {
-            self.recent_work.pop_front();
+        let full_scans = ksmd::counters(&self.config.ksm_root).map_or(0, |k| k.full_scans);
+        if work > 0 {
+            self.ksmd_busy_until = full_scans + 3;
         }
-        let busy = self.recent_work.iter().sum::<u64>() > 0;
-        let pace = if busy {
+        let pace = if full_scans < self.ksmd_busy_until {
             ksmd::pace(
                 self.stats.pages_marked,
                 self.config.ksmd_sweep.as_secs_f64(),
