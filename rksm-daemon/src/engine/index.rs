@@ -494,6 +494,28 @@ impl Index {
         (src.read(rep, buf) && (self.hash)(&buf[..]) == checksum).then_some(&*buf)
     }
 
+    /// The content of a class's representative `rep`, if it still has `checksum`; if not
+    /// (changed, unmapped, exited), it leaves the index and is reported stale.
+    fn representative(
+        &mut self,
+        rep: PageRef,
+        zero: bool,
+        checksum: u64,
+        src: &mut dyn ContentSource,
+        buf: &mut [u8; PAGE],
+    ) -> Option<[u8; PAGE]> {
+        let content = if zero {
+            Some(ZERO_PAGE)
+        } else {
+            self.rep_content(rep, checksum, src, buf).copied()
+        };
+        if content.is_none() {
+            self.remove(rep, checksum);
+            self.stale.push(rep);
+        }
+        content
+    }
+
     /// Finds the class whose content equals the page's, comparing contents. Pages of the
     /// class that turn out changed or gone leave it (see [`Index::take_stale`]).
     fn find(
@@ -520,14 +542,8 @@ impl Index {
     ) -> Lookup {
         if let Some(single) = self.singles.get(&checksum).copied() {
             let rep = single.page();
-            let rep_content = if single.zero {
-                Some(&ZERO_PAGE)
-            } else {
-                self.rep_content(rep, checksum, src, buf)
-            };
-            let Some(rep_content) = rep_content.copied() else {
-                self.remove(rep, checksum);
-                self.stale.push(rep);
+            let Some(rep_content) = self.representative(rep, single.zero, checksum, src, buf)
+            else {
                 return Lookup::Missing;
             };
             return match page.content(src, hash, checksum) {
@@ -549,16 +565,9 @@ impl Index {
                 i += 1;
                 continue;
             };
-            let rep_content = if zero {
-                Some(&ZERO_PAGE)
-            } else {
-                self.rep_content(rep, checksum, src, buf)
-            };
-            let Some(rep_content) = rep_content.copied() else {
-                // The representative changed or is gone: it leaves, and the class's next
-                // page stands for it (the loop looks at the same class again).
-                self.remove(rep, checksum);
-                self.stale.push(rep);
+            let Some(rep_content) = self.representative(rep, zero, checksum, src, buf) else {
+                // The representative left; the class's next page stands for it (the loop
+                // looks at the same class again).
                 if self.groups.get(&checksum).is_none_or(|c| c.len() <= i) {
                     // The class went, or the checksum moved to `singles`.
                     if self.singles.contains_key(&checksum) {

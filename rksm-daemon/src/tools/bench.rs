@@ -42,6 +42,25 @@ pub enum Config {
 }
 
 impl Config {
+    /// Takes ksmd over with this ksmd-only configuration's pace: its defaults (100 pages
+    /// every 20 ms), or, tuned, sweeping `mergeable_pages` in `sweep_secs`.
+    fn own_ksmd(self, mergeable_pages: u64, sweep_secs: f64) -> Result<KsmdOwner, String> {
+        let settings = match self {
+            Config::KsmdTuned => ksmd::pace(mergeable_pages, sweep_secs, 20),
+            _ => KsmdSettings {
+                run: 1,
+                pages_to_scan: 100,
+                sleep_millisecs: 20,
+            },
+        };
+        KsmdOwner::take(
+            Path::new(ksmd::KSM_SYSFS),
+            Path::new(ksmd::STATE_PATH),
+            settings,
+        )
+        .map_err(|e| e.to_string())
+    }
+
     /// The `mode` column.
     pub fn name(self) -> &'static str {
         match self {
@@ -216,43 +235,12 @@ pub fn run_once(
     let socket = std::env::temp_dir().join(format!("rksm-bench-{}.sock", std::process::id()));
     let mut advisor = None;
     let (owner, mut daemon) = match config {
-        Config::Ksmd => (
-            Some(
-                KsmdOwner::take(
-                    Path::new(ksmd::KSM_SYSFS),
-                    Path::new(ksmd::STATE_PATH),
-                    KsmdSettings {
-                        run: 1,
-                        pages_to_scan: 100,
-                        sleep_millisecs: 20,
-                    },
-                )
-                .map_err(|e| e.to_string())?,
-            ),
-            None,
-        ),
-        Config::KsmdTuned => (
-            Some(
-                KsmdOwner::take(
-                    Path::new(ksmd::KSM_SYSFS),
-                    Path::new(ksmd::STATE_PATH),
-                    ksmd::pace(mergeable_pages, plan.interval, 20),
-                )
-                .map_err(|e| e.to_string())?,
-            ),
-            None,
-        ),
+        Config::Ksmd | Config::KsmdTuned => {
+            (Some(config.own_ksmd(mergeable_pages, plan.interval)?), None)
+        }
         Config::KsmdAdvisor => {
-            let owner = KsmdOwner::take(
-                Path::new(ksmd::KSM_SYSFS),
-                Path::new(ksmd::STATE_PATH),
-                KsmdSettings {
-                    run: 1,
-                    pages_to_scan: 100,
-                    sleep_millisecs: 20,
-                },
-            )
-            .map_err(|e| e.to_string())?;
+            // At ksmd's defaults; the advisor then sets its pace.
+            let owner = Config::Ksmd.own_ksmd(0, plan.interval)?;
             advisor = Some(Advisor::start(plan.interval)?);
             (Some(owner), None)
         }
