@@ -224,31 +224,35 @@ fn protect(
 /// The part of `ranges` to audit this pass: about 1/`passes` of their pages, from `cursor`
 /// on, wrapping around, so that every page is audited once every `passes` passes.
 fn audit_slice(ranges: &RangeSet, cursor: &mut u64, passes: u32) -> Vec<Range> {
+    let all = ranges.as_slice();
     let total = ranges.pages();
     if total == 0 {
         return Vec::new();
     }
     let mut budget = total.div_ceil(u64::from(passes.max(1)));
+    // Start at the cursor, or over from the first range once past the last one (the ranges
+    // may also have shrunk under it).
+    let (first, from) = match all.partition_point(|r| r.end <= *cursor) {
+        i if i == all.len() => (0, all[0].start),
+        i => (i, (*cursor).max(all[i].start)),
+    };
     let mut slice = Vec::new();
-    let all = ranges.as_slice();
-    let first = all.partition_point(|r| r.end <= *cursor);
-    for (i, r) in all[first..].iter().chain(all).enumerate() {
-        let start = if i == 0 {
-            r.start.max(*cursor)
-        } else {
-            r.start
-        };
-        if budget == 0 || (i > 0 && i >= all.len() - first && r.start >= *cursor) {
+    // Once around at most: from the cursor to the end, then from the beginning back to it.
+    for k in 0..=all.len() {
+        if budget == 0 {
             break;
         }
-        let take = ((r.end - start) / PAGE_SIZE).min(budget);
+        let r = all[(first + k) % all.len()];
+        let start = if k == 0 { from } else { r.start };
+        let end = if k == all.len() { from } else { r.end };
+        let take = (end.saturating_sub(start) / PAGE_SIZE).min(budget);
         if take == 0 {
             continue;
         }
-        let end = start + take * PAGE_SIZE;
-        slice.push(Range::new(start, end));
+        let taken_end = start + take * PAGE_SIZE;
+        slice.push(Range::new(start, taken_end));
         budget -= take;
-        *cursor = end;
+        *cursor = taken_end;
     }
     slice.sort_unstable_by_key(|r| r.start);
     let mut set = RangeSet::default();
@@ -469,6 +473,36 @@ mod tests {
         assert_eq!(source.mode(), "hash-only");
         child.kill().unwrap();
         child.wait().unwrap();
+    }
+
+    #[test]
+    fn the_audit_covers_every_page_once_per_cycle_and_starts_over() {
+        let p = PAGE_SIZE;
+        let mut ranges = RangeSet::default();
+        ranges.insert(Range::new(p, 5 * p));
+        ranges.insert(Range::new(16 * p, 18 * p));
+        let mut cursor = 0;
+        let mut seen: Vec<u64> = Vec::new();
+        for _ in 0..3 {
+            let slice = audit_slice(&ranges, &mut cursor, 3);
+            assert_eq!(slice.iter().map(Range::pages).sum::<u64>(), 2, "{slice:?}");
+            seen.extend(
+                slice
+                    .iter()
+                    .flat_map(|r| (r.start..r.end).step_by(p as usize)),
+            );
+        }
+        seen.sort_unstable();
+        assert_eq!(seen, [1, 2, 3, 4, 16, 17].map(|i| i * p), "each page once");
+        // Past the last range: over from the first.
+        assert_eq!(audit_slice(&ranges, &mut cursor, 3), [Range::new(p, 3 * p)]);
+        // A cursor inside a range wraps around back to itself, never past it.
+        let mut cursor = 3 * p;
+        let all = audit_slice(&ranges, &mut cursor, 1);
+        assert_eq!(all.iter().map(Range::pages).sum::<u64>(), 6, "{all:?}");
+        // The ranges shrank under the cursor.
+        let mut cursor = 100 * p;
+        assert_eq!(audit_slice(&ranges, &mut cursor, 6), [Range::new(p, 2 * p)]);
     }
 
     #[test]
