@@ -292,7 +292,8 @@ impl Pagemap {
 
     /// The runs of present pages in `start..end`, from the kernel's page-table walk: a
     /// sparse mapping (a 1 TiB arena with a few pages touched) costs what its present pages
-    /// cost, not one pagemap entry per virtual page.
+    /// cost, not one pagemap entry per virtual page. Without PAGEMAP_SCAN (before Linux
+    /// 6.7), the whole range, to be read entry by entry.
     pub fn present_runs(&self, start: u64, end: u64) -> Result<Vec<Range>, ProcfsError> {
         let mut runs = Vec::new();
         let mut regions = vec![PageRegion::default(); 512];
@@ -310,8 +311,14 @@ impl Pagemap {
             };
             // SAFETY: `arg` describes `regions`, which outlives the call; the kernel writes
             // at most vec_len entries and nothing else.
-            let n = unsafe { pagemap_scan(self.file.as_raw_fd(), &mut arg) }
-                .map_err(|e| io_error(self.pid, self.path.clone(), e.into()))?;
+            let n = match unsafe { pagemap_scan(self.file.as_raw_fd(), &mut arg) } {
+                Ok(n) => n,
+                // Before Linux 6.7 there is no PAGEMAP_SCAN: every page is looked at.
+                Err(nix::errno::Errno::ENOTTY | nix::errno::Errno::EINVAL) if runs.is_empty() => {
+                    return Ok(vec![Range::new(start, end)]);
+                }
+                Err(e) => return Err(io_error(self.pid, self.path.clone(), e.into())),
+            };
             runs.extend(
                 regions[..n as usize]
                     .iter()
