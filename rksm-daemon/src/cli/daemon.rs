@@ -96,7 +96,7 @@ impl DaemonOptions {
             audit_passes: self
                 .audit_passes
                 .or(file.audit_passes)
-                .map_or(DEFAULT_AUDIT_PASSES, |n| n.clamp(1, 1000) as u32),
+                .map_or(DEFAULT_AUDIT_PASSES, |n| n as u32),
             json: self.json || file.json == Some(true),
             socket: self
                 .socket

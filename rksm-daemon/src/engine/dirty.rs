@@ -9,7 +9,7 @@
 //! keeps about a target lives in the target's record ([`DirtyState`]); a source itself holds
 //! only what all targets share (the recorder, a counter).
 
-use std::{cell::RefCell, collections::HashSet, fs, rc::Rc};
+use std::{cell::RefCell, collections::HashSet, rc::Rc};
 
 use rksm_common::PAGE_SIZE;
 
@@ -18,7 +18,7 @@ use crate::{
     kernel::{
         arming::{ArmError, Armed},
         process::Process,
-        procfs::{KpageFlags, Pagemap, PagemapEntry, Vma},
+        procfs::{self, Vma},
         ranges::{Range, RangeSet},
         remote::{RemoteError, RemoteSession},
     },
@@ -37,16 +37,6 @@ pub enum DirtySet {
         /// Ranges under write protection.
         armed: RangeSet,
     },
-}
-
-impl DirtySet {
-    /// Whether `page` must be hashed again.
-    pub fn contains(&self, page: u64) -> bool {
-        match self {
-            DirtySet::All => true,
-            DirtySet::Only { written, armed } => written.contains(&page) || !armed.contains(page),
-        }
-    }
 }
 
 /// Errors a dirty source can hit (arming or reading write state).
@@ -260,53 +250,6 @@ fn audit_slice(ranges: &RangeSet, cursor: &mut u64, passes: u32) -> Vec<Range> {
     set.as_slice().to_vec()
 }
 
-/// Those of `pages` (of `pid`, sorted) that are mapped to KSM pages: one pagemap read per
-/// run of consecutive pages, one kpageflags read per page.
-fn merged_by_ksm(pid: u32, pages: &[u64]) -> HashSet<u64> {
-    let mut merged = HashSet::new();
-    if pages.is_empty() {
-        return merged;
-    }
-    let (Ok(pagemap), Ok(flags)) = (Pagemap::open(pid), KpageFlags::open()) else {
-        return merged;
-    };
-    let mut entries = vec![PagemapEntry(0); 512];
-    let mut i = 0;
-    while i < pages.len() {
-        let mut j = i + 1;
-        while j < pages.len() && pages[j] == pages[j - 1] + PAGE_SIZE && j - i < entries.len() {
-            j += 1;
-        }
-        let Ok(got) = pagemap.read(pages[i], &mut entries[..j - i]) else {
-            return merged;
-        };
-        for (k, entry) in entries[..got].iter().enumerate() {
-            if entry
-                .pfn()
-                .is_some_and(|pfn| !entry.exclusive() && flags.get(pfn).is_ok_and(|f| f.ksm()))
-            {
-                merged.insert(pages[i + k]);
-            }
-        }
-        i = j;
-    }
-    merged
-}
-
-/// Whether `pid` holds a KVM vCPU or the KVM device: its guest's writes to its memory never
-/// fault in user mode, so the tracer cannot see them.
-pub fn holds_kvm(pid: u32) -> bool {
-    let Ok(fds) = fs::read_dir(format!("/proc/{pid}/fd")) else {
-        return false;
-    };
-    fds.flatten().any(|fd| {
-        fs::read_link(fd.path()).is_ok_and(|target| {
-            let target = target.to_string_lossy();
-            target == "/dev/kvm" || target.starts_with("anon_inode:kvm-vcpu")
-        })
-    })
-}
-
 /// `--dirty pagemap`: written bits straight from PAGEMAP_SCAN; the exact reference.
 #[derive(Debug, Default)]
 pub struct PagemapSource {
@@ -382,7 +325,7 @@ impl DirtySource for EbpfSource {
         if let Err(e) = self.recorder.borrow_mut().track(pid, &mut state.tracer) {
             log::warn!("tracer cannot track pid {pid}: {e}");
         }
-        if first_time && state.exact.is_none() && holds_kvm(pid) {
+        if first_time && state.exact.is_none() && procfs::holds_kvm(pid) {
             let why = "it holds a KVM vCPU, whose guest writes without faulting";
             log::info!("pid {pid}: tracking its writes with PAGEMAP_SCAN: {why}");
             state.exact = Some(why.into());
@@ -430,7 +373,7 @@ impl DirtySource for EbpfSource {
             unseen.sort_unstable();
             // ksmd merging a page maps the KSM page without the protection: neither a write
             // nor a change of content.
-            let merged = merged_by_ksm(pid, &unseen);
+            let merged = procfs::ksm_mapped(pid, &unseen);
             written.extend(audit.pages.into_iter().filter(|p| !merged.contains(p)));
             // The scan rehashes them; those whose content changed are misses. (ksmd's own
             // copy-on-write of a page it failed to merge writes it without a fault, with the
@@ -468,7 +411,7 @@ mod tests {
             let dirty = source
                 .dirty_pages(&process, &mut DirtyState::default(), &[])
                 .unwrap();
-            assert!(dirty.contains(0x1000) && dirty.contains(0xdead_0000));
+            assert_eq!(dirty, DirtySet::All);
         }
         assert_eq!(source.mode(), "hash-only");
         child.kill().unwrap();
@@ -503,24 +446,5 @@ mod tests {
         // The ranges shrank under the cursor.
         let mut cursor = 100 * p;
         assert_eq!(audit_slice(&ranges, &mut cursor, 6), [Range::new(p, 2 * p)]);
-    }
-
-    #[test]
-    fn only_the_written_pages_of_armed_ranges_are_clean_candidates() {
-        let mut armed = RangeSet::default();
-        armed.insert(crate::kernel::ranges::Range::new(0x1000, 0x5000));
-        let dirty = DirtySet::Only {
-            written: [0x1000, 0x3000].into_iter().collect(),
-            armed,
-        };
-        assert!(dirty.contains(0x1000) && dirty.contains(0x3000), "written");
-        assert!(
-            !dirty.contains(0x2000) && !dirty.contains(0x4000),
-            "armed and not written: clean"
-        );
-        assert!(
-            dirty.contains(0x5000) && dirty.contains(0x0),
-            "outside the armed ranges: not provably clean"
-        );
     }
 }

@@ -31,7 +31,7 @@ use crate::{
     },
     kernel::{
         procfs::{self, KpageFlags, Pagemap, PagemapEntry, ProcfsError, Vma},
-        ranges::{Range, RangeSet},
+        ranges::{page_runs, Range, RangeSet},
         reader::{self, ProcMem, ReaderError},
     },
 };
@@ -575,27 +575,19 @@ impl Scanner {
             done += range.pages();
             progress(done);
         }
-        let sparse = &work.sparse;
-        let mut i = 0;
-        while i < sparse.len() {
-            // A run of consecutive pages: one pagemap read.
-            let mut j = i + 1;
-            while j < sparse.len() && sparse[j] == sparse[j - 1] + PAGE_SIZE && j - i < CHUNK_PAGES
-            {
-                j += 1;
-            }
+        // One pagemap read per run of consecutive pages.
+        for run in page_runs(&work.sparse, CHUNK_PAGES) {
             self.scan_run(
                 &open,
                 &mut target.pages,
-                sparse[i],
-                j - i,
+                run[0],
+                run.len(),
                 Some(&work.rehash),
                 &work.unseen,
                 &mut counts,
                 &mut misses,
             )?;
-            done += (j - i) as u64;
-            i = j;
+            done += run.len() as u64;
         }
         progress(done);
         for range in &work.full {

@@ -21,15 +21,18 @@ use std::{
     collections::HashSet,
     fs::File,
     io,
-    os::fd::{AsRawFd, FromRawFd, OwnedFd},
+    os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd},
 };
 
 use rksm_common::PAGE_SIZE;
 
 use crate::kernel::{
     process::Process,
-    procfs::{pagemap_scan, PageRegion, PmScanArg, Vma, PAGE_IS_PFNZERO, PAGE_IS_WRITTEN},
-    ranges::{Range, RangeSet},
+    procfs::{
+        PageRegion, PageScan, Vma, PAGE_IS_PFNZERO, PAGE_IS_WRITTEN, PM_SCAN_CHECK_WPASYNC,
+        PM_SCAN_WP_MATCHING,
+    },
+    ranges::{page_runs, Range, RangeSet},
     remote::{nr, RemoteError, RemoteSession},
 };
 
@@ -39,8 +42,6 @@ const UFFD_FEATURE_WP_UNPOPULATED: u64 = 1 << 13;
 const UFFD_FEATURE_WP_ASYNC: u64 = 1 << 15;
 const UFFDIO_REGISTER_MODE_WP: u64 = 1 << 1;
 const UFFDIO_WRITEPROTECT_MODE_WP: u64 = 1 << 0;
-const PM_SCAN_WP_MATCHING: u64 = 1 << 0;
-const PM_SCAN_CHECK_WPASYNC: u64 = 1 << 1;
 
 #[repr(C)]
 struct UffdioApi {
@@ -245,7 +246,6 @@ impl Armed {
         self.registered = self.registered.clip_to(vmas);
         self.refused = self.refused.clip_to(vmas);
         let mut lost = Vec::new();
-        let mut region = [PageRegion::default()];
         for vma in vmas {
             let Some(first) = self
                 .registered
@@ -255,20 +255,17 @@ impl Armed {
             else {
                 continue;
             };
-            let mut arg = PmScanArg {
-                size: size_of::<PmScanArg>() as u64,
+            // Without PM_SCAN_WP_MATCHING the probe changes nothing.
+            let probe = PageScan {
                 flags: PM_SCAN_CHECK_WPASYNC,
-                start: first.start,
-                end: first.start + PAGE_SIZE,
-                vec: region.as_mut_ptr() as u64,
-                vec_len: 1,
                 category_mask: PAGE_IS_WRITTEN,
                 return_mask: PAGE_IS_WRITTEN,
-                ..PmScanArg::default()
             };
-            // SAFETY: `arg` describes `region`, which outlives the call; without
-            // PM_SCAN_WP_MATCHING the scan changes nothing.
-            if unsafe { pagemap_scan(self.pagemap.as_raw_fd(), &mut arg) }.is_err() {
+            let page = first.start;
+            if probe
+                .walk(self.pagemap.as_fd(), page, page + PAGE_SIZE, &mut |_| {})
+                .is_err()
+            {
                 log::debug!(
                     "pid {}: {:#x}-{:#x} lost its registration (mapped anew)",
                     self.pid,
@@ -301,49 +298,26 @@ impl Armed {
     pub fn scan_written(&mut self, ranges: &[Range]) -> Written {
         let mut written = Written::default();
         let mut failed = Vec::new();
-        let mut regions = vec![PageRegion::default(); 512];
+        let scan = PageScan {
+            flags: PM_SCAN_WP_MATCHING | PM_SCAN_CHECK_WPASYNC,
+            category_mask: PAGE_IS_WRITTEN,
+            return_mask: PAGE_IS_WRITTEN | PAGE_IS_PFNZERO,
+        };
         for range in ranges {
             for Range { start, end } in self.registered.within(*range) {
-                let mut from = start;
-                while from < end {
-                    let mut arg = PmScanArg {
-                        size: size_of::<PmScanArg>() as u64,
-                        flags: PM_SCAN_WP_MATCHING | PM_SCAN_CHECK_WPASYNC,
-                        start: from,
-                        end,
-                        vec: regions.as_mut_ptr() as u64,
-                        vec_len: regions.len() as u64,
-                        category_mask: PAGE_IS_WRITTEN,
-                        return_mask: PAGE_IS_WRITTEN | PAGE_IS_PFNZERO,
-                        ..PmScanArg::default()
-                    };
-                    // SAFETY: `arg` describes `regions`, which outlives the call; the kernel
-                    // writes at most vec_len entries.
-                    match unsafe { pagemap_scan(self.pagemap.as_raw_fd(), &mut arg) } {
-                        Ok(n) => {
-                            for region in &regions[..n as usize] {
-                                let pages = (region.start..region.end).step_by(PAGE_SIZE as usize);
-                                if region.categories & PAGE_IS_PFNZERO != 0 {
-                                    written.zero_page.extend(pages.clone());
-                                }
-                                written.pages.extend(pages);
-                            }
-                            // The walk stops early when the vector is full; go on from there.
-                            from = if arg.walk_end > from {
-                                arg.walk_end
-                            } else {
-                                end
-                            };
-                        }
-                        Err(errno) => {
-                            log::debug!(
-                                "pid {}: PAGEMAP_SCAN {start:#x}-{end:#x}: {errno}",
-                                self.pid
-                            );
-                            failed.push(Range::new(start, end));
-                            break;
-                        }
+                let found = &mut |region: &PageRegion| {
+                    let pages = (region.start..region.end).step_by(PAGE_SIZE as usize);
+                    if region.categories & PAGE_IS_PFNZERO != 0 {
+                        written.zero_page.extend(pages.clone());
                     }
+                    written.pages.extend(pages);
+                };
+                if let Err(errno) = scan.walk(self.pagemap.as_fd(), start, end, found) {
+                    log::debug!(
+                        "pid {}: PAGEMAP_SCAN {start:#x}-{end:#x}: {errno}",
+                        self.pid
+                    );
+                    failed.push(Range::new(start, end));
                 }
             }
         }
@@ -362,13 +336,8 @@ impl Armed {
             .collect();
         sorted.sort_unstable();
         let mut failed = Vec::new();
-        let mut i = 0;
-        while i < sorted.len() {
-            let mut j = i + 1;
-            while j < sorted.len() && sorted[j] == sorted[j - 1] + PAGE_SIZE {
-                j += 1;
-            }
-            let run = Range::new(sorted[i], sorted[j - 1] + PAGE_SIZE);
+        for pages in page_runs(&sorted, usize::MAX) {
+            let run = Range::new(pages[0], pages[pages.len() - 1] + PAGE_SIZE);
             // A run may straddle two registered ranges (VMAs): protect each part.
             for part in self.registered.within(run) {
                 let mut wp = UffdioWriteprotect {
@@ -387,7 +356,6 @@ impl Armed {
                     failed.push(part);
                 }
             }
-            i = j;
         }
         self.registered.remove(&failed);
     }

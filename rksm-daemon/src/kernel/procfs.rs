@@ -6,15 +6,19 @@
 //! plain values and typed errors, and is the only place that knows the bit layouts.
 
 use std::{
+    collections::HashSet,
     fs::File,
     io::{self, BufRead, BufReader},
-    os::{fd::AsRawFd, unix::fs::FileExt},
+    os::{
+        fd::{AsFd, AsRawFd, BorrowedFd},
+        unix::fs::FileExt,
+    },
     path::PathBuf,
 };
 
 use rksm_common::PAGE_SIZE;
 
-use crate::kernel::ranges::Range;
+use crate::kernel::ranges::{page_runs, Range};
 
 /// PAGEMAP_SCAN (Linux 6.7): the pages of a range by category, one region per run.
 pub(crate) const PAGE_IS_WRITTEN: u64 = 1 << 1;
@@ -33,22 +37,75 @@ pub(crate) struct PageRegion {
 /// `struct pm_scan_arg`.
 #[repr(C)]
 #[derive(Default)]
-pub(crate) struct PmScanArg {
-    pub size: u64,
-    pub flags: u64,
-    pub start: u64,
-    pub end: u64,
-    pub walk_end: u64,
-    pub vec: u64,
-    pub vec_len: u64,
-    pub max_pages: u64,
-    pub category_inverted: u64,
-    pub category_mask: u64,
-    pub category_anyof_mask: u64,
-    pub return_mask: u64,
+struct PmScanArg {
+    size: u64,
+    flags: u64,
+    start: u64,
+    end: u64,
+    walk_end: u64,
+    vec: u64,
+    vec_len: u64,
+    max_pages: u64,
+    category_inverted: u64,
+    category_mask: u64,
+    category_anyof_mask: u64,
+    return_mask: u64,
 }
 
 nix::ioctl_readwrite!(pagemap_scan, b'f', 16, PmScanArg);
+
+/// `PM_SCAN_WP_MATCHING`: write-protect the pages that match, atomically with the report.
+pub(crate) const PM_SCAN_WP_MATCHING: u64 = 1 << 0;
+/// `PM_SCAN_CHECK_WPASYNC`: fail unless the range is registered for async write protection.
+pub(crate) const PM_SCAN_CHECK_WPASYNC: u64 = 1 << 1;
+
+/// One kind of PAGEMAP_SCAN query: its flags and the categories it matches and returns.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PageScan {
+    pub flags: u64,
+    pub category_mask: u64,
+    pub return_mask: u64,
+}
+
+impl PageScan {
+    /// Walks `start..end` of the pagemap `fd`, calling `found` for every matching region,
+    /// and going on from where the kernel stopped when its vector of regions filled up.
+    pub fn walk(
+        self,
+        fd: BorrowedFd<'_>,
+        start: u64,
+        end: u64,
+        found: &mut dyn FnMut(&PageRegion),
+    ) -> Result<(), nix::errno::Errno> {
+        let mut regions = [PageRegion::default(); 256];
+        let mut from = start;
+        while from < end {
+            let mut arg = PmScanArg {
+                size: size_of::<PmScanArg>() as u64,
+                flags: self.flags,
+                start: from,
+                end,
+                vec: regions.as_mut_ptr() as u64,
+                vec_len: regions.len() as u64,
+                category_mask: self.category_mask,
+                return_mask: self.return_mask,
+                ..PmScanArg::default()
+            };
+            // SAFETY: `arg` describes `regions`, which outlives the call; the kernel writes at
+            // most vec_len entries into it and reads nothing else of ours.
+            let n = unsafe { pagemap_scan(fd.as_raw_fd(), &mut arg) }?;
+            for region in &regions[..n as usize] {
+                found(region);
+            }
+            from = if arg.walk_end > from {
+                arg.walk_end
+            } else {
+                end
+            };
+        }
+        Ok(())
+    }
+}
 
 /// Errors reading /proc.
 #[derive(Debug, thiserror::Error)]
@@ -237,6 +294,44 @@ impl KsmStat {
     }
 }
 
+/// Whether `pid` holds a KVM vCPU or the KVM device: its guest's writes to its memory never
+/// fault in user mode.
+pub fn holds_kvm(pid: u32) -> bool {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    fds.flatten().any(|fd| {
+        std::fs::read_link(fd.path()).is_ok_and(|target| {
+            let target = target.to_string_lossy();
+            target == "/dev/kvm" || target.starts_with("anon_inode:kvm-vcpu")
+        })
+    })
+}
+
+/// Those of `pages` (of `pid`, sorted) mapped to KSM pages: one pagemap read per run of
+/// consecutive pages, one kpageflags read per page mapped more than once.
+pub fn ksm_mapped(pid: u32, pages: &[u64]) -> HashSet<u64> {
+    let mut mapped = HashSet::new();
+    let (Ok(pagemap), Ok(flags)) = (Pagemap::open(pid), KpageFlags::open()) else {
+        return mapped;
+    };
+    let mut entries = vec![PagemapEntry(0); 512];
+    for run in page_runs(pages, entries.len()) {
+        let Ok(got) = pagemap.read(run[0], &mut entries[..run.len()]) else {
+            break;
+        };
+        for (&page, entry) in run.iter().zip(&entries[..got]) {
+            if entry
+                .pfn()
+                .is_some_and(|pfn| !entry.exclusive() && flags.get(pfn).is_ok_and(|f| f.ksm()))
+            {
+                mapped.insert(page);
+            }
+        }
+    }
+    mapped
+}
+
 /// One 64-bit entry of /proc/PID/pagemap (Documentation/admin-guide/mm/pagemap.rst).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PagemapEntry(pub u64);
@@ -296,41 +391,20 @@ impl Pagemap {
     /// 6.7), the whole range, to be read entry by entry.
     pub fn present_runs(&self, start: u64, end: u64) -> Result<Vec<Range>, ProcfsError> {
         let mut runs = Vec::new();
-        let mut regions = vec![PageRegion::default(); 512];
-        let mut from = start;
-        while from < end {
-            let mut arg = PmScanArg {
-                size: size_of::<PmScanArg>() as u64,
-                start: from,
-                end,
-                vec: regions.as_mut_ptr() as u64,
-                vec_len: regions.len() as u64,
-                category_mask: PAGE_IS_PRESENT,
-                return_mask: PAGE_IS_PRESENT,
-                ..PmScanArg::default()
-            };
-            // SAFETY: `arg` describes `regions`, which outlives the call; the kernel writes
-            // at most vec_len entries and nothing else.
-            let n = match unsafe { pagemap_scan(self.file.as_raw_fd(), &mut arg) } {
-                Ok(n) => n,
-                // Before Linux 6.7 there is no PAGEMAP_SCAN: every page is looked at.
-                Err(nix::errno::Errno::ENOTTY | nix::errno::Errno::EINVAL) if runs.is_empty() => {
-                    return Ok(vec![Range::new(start, end)]);
-                }
-                Err(e) => return Err(io_error(self.pid, self.path.clone(), e.into())),
-            };
-            runs.extend(
-                regions[..n as usize]
-                    .iter()
-                    .map(|r| Range::new(r.start, r.end)),
-            );
-            from = if arg.walk_end > from {
-                arg.walk_end
-            } else {
-                end
-            };
+        let scan = PageScan {
+            flags: 0,
+            category_mask: PAGE_IS_PRESENT,
+            return_mask: PAGE_IS_PRESENT,
+        };
+        match scan.walk(self.file.as_fd(), start, end, &mut |r| {
+            runs.push(Range::new(r.start, r.end))
+        }) {
+            Ok(()) => Ok(runs),
+            Err(nix::errno::Errno::ENOTTY | nix::errno::Errno::EINVAL) if runs.is_empty() => {
+                Ok(vec![Range::new(start, end)])
+            }
+            Err(e) => Err(io_error(self.pid, self.path.clone(), e.into())),
         }
-        Ok(runs)
     }
 
     /// Fills `entries` with the entries of the pages starting at `start`; returns how many

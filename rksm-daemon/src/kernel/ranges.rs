@@ -152,6 +152,24 @@ impl RangeSet {
     }
 }
 
+/// The runs of consecutive pages in `pages` (sorted page addresses), each at most `max_len`
+/// long: one system call per run where pages are asked about one run at a time.
+pub fn page_runs(pages: &[u64], max_len: usize) -> impl Iterator<Item = &[u64]> {
+    let mut rest = pages;
+    std::iter::from_fn(move || {
+        let first = *rest.first()?;
+        let len = rest
+            .iter()
+            .take(max_len.max(1))
+            .enumerate()
+            .take_while(|&(i, &p)| p == first + i as u64 * PAGE_SIZE)
+            .count();
+        let (run, tail) = rest.split_at(len);
+        rest = tail;
+        Some(run)
+    })
+}
+
 /// `range` without the (sorted) ranges of `cut`.
 fn subtract_one(range: Range, cut: &[Range]) -> Vec<Range> {
     let mut out = Vec::new();
@@ -172,6 +190,18 @@ fn subtract_one(range: Range, cut: &[Range]) -> Vec<Range> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn page_runs_split_at_gaps_and_at_the_length_cap() {
+        let p = PAGE_SIZE;
+        let pages = [p, 2 * p, 3 * p, 7 * p, 8 * p, 20 * p];
+        let runs: Vec<&[u64]> = page_runs(&pages, 2).collect();
+        assert_eq!(
+            runs,
+            [&[p, 2 * p][..], &[3 * p], &[7 * p, 8 * p], &[20 * p]]
+        );
+        assert_eq!(page_runs(&[], 8).count(), 0);
+    }
 
     fn set(ranges: &[(u64, u64)]) -> RangeSet {
         let mut s = RangeSet::default();

@@ -100,7 +100,7 @@ pub struct ConfigFile {
     #[serde(default, deserialize_with = "passes")]
     pub passes: Option<u64>,
     /// `--audit-passes`: passes over which the ebpf mode audits every armed page once.
-    #[serde(default, deserialize_with = "passes")]
+    #[serde(default, deserialize_with = "audit_passes")]
     pub audit_passes: Option<u64>,
     /// `--json`: final counters as JSON.
     #[serde(default)]
@@ -320,6 +320,13 @@ fn passes<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
     }
 }
 
+fn audit_passes<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    match i64::deserialize(d)? {
+        n @ 1..=1000 => Ok(Some(n as u64)),
+        n => Err(D::Error::custom(format!("{n} passes: from 1 to 1000"))),
+    }
+}
+
 fn pids<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u32>, D::Error> {
     let pids = Vec::<i64>::deserialize(d)?;
     pids.into_iter()
@@ -451,6 +458,7 @@ metrics_address = "127.0.0.1:9464"
             ("interval = \"fast\"", 1, "expected a number of seconds"),
             ("min_age = -1", 1, "not a number of seconds"),
             ("passes = 0", 1, "at least 1"),
+            ("audit_passes = 1001", 1, "from 1 to 1000"),
             ("pid = [0]", 1, "not a process id"),
             ("pid = 5", 1, "sequence"),
             ("comm = \"(\"", 1, "not a valid regular expression"),
