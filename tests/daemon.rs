@@ -302,32 +302,22 @@ fn multithreaded_and_sleeping_targets_are_merged_and_keep_running() {
     assert!(threaded.verify(regions[0].1, 0, 64, 11) && sleeper.verify(regions[1].1, 0, 64, 11));
 }
 
-#[test]
-fn sigterm_restores_ksmd_and_prints_the_counters() {
-    require_root();
-    let _turn = ksm_turn();
-    let before = ksmd_settings();
-    let mut child = TestChild::spawn();
-    let r = child.map(32);
-    child.write(r, 0, 32, 5);
-    let rksm = rksm_command()
-        .args([
-            "daemon",
-            "--pid",
-            &child.pid().to_string(),
-            "--interval",
-            "0.2",
-            "--json",
-        ])
-        .stdout(Stdio::piped())
+/// Starts `rksm daemon --json` over `pids` with its status socket at `socket`.
+fn spawn_daemon(pids: &[u32], socket: &std::path::Path) -> std::process::Child {
+    let mut cmd = rksm_command();
+    cmd.args(["daemon", "--interval", "0.2", "--json", "--socket"])
+        .arg(socket);
+    for pid in pids {
+        cmd.args(["--pid", &pid.to_string()]);
+    }
+    cmd.stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .unwrap();
-    // ksmd runs while rksm owns it.
-    assert!(
-        wait_for(Duration::from_secs(10), || ksmd_settings().0 == "1"),
-        "rksm did not start ksmd"
-    );
+        .unwrap()
+}
+
+/// SIGTERMs `rksm` and returns its JSON counters, checking it exited cleanly.
+fn terminate(rksm: std::process::Child) -> serde_json::Value {
     // SAFETY: kill with a valid pid and signal.
     assert_eq!(unsafe { libc::kill(rksm.id() as i32, libc::SIGTERM) }, 0);
     let output = rksm.wait_with_output().unwrap();
@@ -336,8 +326,27 @@ fn sigterm_restores_ksmd_and_prints_the_counters() {
         "{}",
         String::from_utf8_lossy(&output.stderr)
     );
+    serde_json::from_slice(&output.stdout).expect("JSON on stdout")
+}
+
+#[test]
+fn sigterm_restores_ksmd_and_prints_the_counters() {
+    require_root();
+    let _turn = ksm_turn();
+    let before = ksmd_settings();
+    let mut child = TestChild::spawn();
+    let r = child.map(32);
+    child.write(r, 0, 32, 5);
+    let socket = std::env::temp_dir().join(format!("rksm-sigterm-{}.sock", child.pid()));
+    let rksm = spawn_daemon(&[child.pid()], &socket);
+    assert!(
+        wait_for(Duration::from_secs(10), || {
+            rksm::service::status::query(&socket).is_ok_and(|s| s.last_pass.is_some())
+        }),
+        "no pass was reported"
+    );
+    let json = terminate(rksm);
     assert_eq!(ksmd_settings(), before, "ksmd's settings were not restored");
-    let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON on stdout");
     for key in [
         "pages_shared",
         "pages_sharing",
@@ -351,11 +360,43 @@ fn sigterm_restores_ksmd_and_prints_the_counters() {
         "tracer_lost",
         "cow_breaks",
         "remote_syscalls",
+        "eintr_risk",
     ] {
         assert!(json[key].is_u64(), "{key} missing: {json}");
     }
     assert!(json["targets_refused"].is_object());
     assert!(json["full_scans"].as_u64().unwrap() >= 1);
+}
+
+#[test]
+fn sigterm_mid_pass_stops_between_targets() {
+    require_root();
+    let _turn = ksm_turn();
+    let before = ksmd_settings();
+    // Eight targets of 256 MiB: a first pass that reads 2 GiB, long enough to be inside.
+    let mut children: Vec<TestChild> = (0..8).map(|_| TestChild::spawn()).collect();
+    for (i, child) in children.iter_mut().enumerate() {
+        let r = child.map(65536);
+        child.command(&format!("unique {} 0 65536 {}", r.id, i * 100_000));
+    }
+    let pids: Vec<u32> = children.iter().map(TestChild::pid).collect();
+    let socket = std::env::temp_dir().join(format!("rksm-midpass-{}.sock", pids[0]));
+    let rksm = spawn_daemon(&pids, &socket);
+    // The status socket answers from the start; the first pass is then under way.
+    assert!(wait_for(Duration::from_secs(10), || {
+        rksm::service::status::query(&socket).is_ok()
+    }));
+    let json = terminate(rksm);
+    assert_eq!(
+        json["full_scans"].as_u64(),
+        Some(0),
+        "the first pass ran to its end: {json}"
+    );
+    assert!(json["pages_hashed"].as_u64().unwrap() < 8 * 65536);
+    assert_eq!(ksmd_settings(), before, "ksmd's settings were not restored");
+    for child in &children {
+        assert_eq!(proc_status(child.pid(), "TracerPid:"), "0");
+    }
 }
 
 #[test]

@@ -3,9 +3,9 @@
 use std::time::{Duration, Instant};
 
 use rksm::kernel::{
-    process::Process,
+    process::{Process, RefusalReason, TargetError},
     reader::ProcMem,
-    remote::{nr, RemoteError, RemoteRefusal, RemoteSession},
+    remote::{self, nr, RemoteError, RemoteRefusal, RemoteSession},
 };
 use rksm_tests::{
     blocked_syscall, fd_count, proc_status, require_root, vma_mergeable, wait_for, TestChild, PAGE,
@@ -206,4 +206,178 @@ fn a_target_killed_while_borrowed_is_reported_gone_without_hanging() {
     // Letting go of a dead thread is not an error worth more than a log line.
     let _ = session.finish();
     drop(child);
+}
+
+/// Borrows `pid` once for a `getpid`.
+fn borrow_once(process: &Process) {
+    let mut session = RemoteSession::begin(process).expect("borrow");
+    assert_eq!(
+        session.syscall(nr::GETPID, &[]).unwrap(),
+        i64::from(process.pid())
+    );
+    session.finish().unwrap();
+}
+
+/// Waits until `pid`'s only thread sleeps in system call `nr`.
+fn asleep_in(pid: u32, nr: i64) -> bool {
+    wait_for(Duration::from_secs(5), || {
+        blocked_syscall(pid).starts_with(&format!("{nr} "))
+            && proc_status(pid, "State:").starts_with('S')
+    })
+}
+
+#[test]
+fn an_event_loop_waiting_without_a_timeout_never_sees_eintr() {
+    require_root();
+    let mut child = TestChild::spawn();
+    let pid = child.pid();
+    child.send("epoll 4000 -1");
+    assert!(asleep_in(pid, libc::SYS_epoll_wait));
+    let process = Process::open(pid).unwrap();
+    for _ in 0..20 {
+        assert!(
+            asleep_in(pid, libc::SYS_epoll_wait),
+            "{}",
+            blocked_syscall(pid)
+        );
+        borrow_once(&process);
+    }
+    assert_eq!(
+        child.reply(),
+        "epoll eintr 0",
+        "the restarted wait was noticed"
+    );
+}
+
+#[test]
+fn an_eintr_that_cannot_be_avoided_is_counted() {
+    require_root();
+    let mut child = TestChild::spawn();
+    let pid = child.pid();
+    // A wait with a timeout cannot be restarted without lengthening it: EINTR stands.
+    child.send("epoll 2000 60000");
+    assert!(asleep_in(pid, libc::SYS_epoll_wait));
+    let process = Process::open(pid).unwrap();
+    let before = remote::eintr_risk();
+    borrow_once(&process);
+    assert_eq!(child.reply(), "epoll eintr 1");
+    assert!(remote::eintr_risk() > before, "the EINTR was not counted");
+}
+
+#[test]
+fn queued_signals_keep_their_payload_and_order_while_the_target_is_borrowed() {
+    require_root();
+    const SIGNALS: u64 = 3000;
+    let mut child = TestChild::spawn();
+    let pid = child.pid();
+    child.send(&format!("signals {SIGNALS}"));
+    assert_eq!(child.reply(), "listening");
+    use std::sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering::SeqCst},
+        Arc,
+    };
+    let (done, borrows) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicU64::new(0)),
+    );
+    let borrower = {
+        let (done, borrows) = (done.clone(), borrows.clone());
+        std::thread::spawn(move || {
+            let process = Process::open(pid).unwrap();
+            while !done.load(SeqCst) {
+                borrow_once(&process);
+                borrows.fetch_add(1, SeqCst);
+            }
+        })
+    };
+    for value in 0..SIGNALS {
+        if value % 50 == 0 {
+            // Interleave: a borrow between every 50 signals.
+            let seen = borrows.load(SeqCst);
+            assert!(wait_for(Duration::from_secs(10), || borrows.load(SeqCst) > seen));
+        }
+        let sent = wait_for(Duration::from_secs(10), || {
+            // SAFETY: sigqueue takes plain values.
+            unsafe {
+                libc::sigqueue(
+                    pid as i32,
+                    libc::SIGRTMIN(),
+                    libc::sigval {
+                        sival_ptr: value as usize as *mut libc::c_void,
+                    },
+                ) == 0
+            }
+        });
+        assert!(sent, "signal {value} could not be queued");
+    }
+    let answer = child.reply();
+    done.store(true, SeqCst);
+    borrower.join().unwrap();
+    assert_eq!(answer, "signals ok");
+    assert!(borrows.load(SeqCst) >= SIGNALS / 50);
+    assert_eq!(proc_status(pid, "TracerPid:"), "0");
+    assert_eq!(
+        proc_status(pid, "SigBlk:"),
+        "0000000000000000",
+        "mask not restored"
+    );
+}
+
+#[test]
+fn a_process_in_a_vfork_wait_is_refused_without_waiting() {
+    require_root();
+    let mut child = TestChild::spawn();
+    let pid = child.pid();
+    child.send("vfork 3000");
+    assert!(wait_for(Duration::from_secs(5), || proc_status(
+        pid, "State:"
+    )
+    .starts_with('D')));
+    let started = Instant::now();
+    let refused = RemoteSession::begin(&Process::open(pid).unwrap());
+    assert!(
+        matches!(
+            refused,
+            Err(RemoteError::Refused {
+                reason: RemoteRefusal::UninterruptibleSleep,
+                ..
+            })
+        ),
+        "{:?}",
+        refused.map(|_| ())
+    );
+    assert!(started.elapsed() < remote::STOP_DEADLINE, "it waited");
+    assert_eq!(child.reply(), "vforked");
+    assert_eq!(proc_status(pid, "TracerPid:"), "0");
+    // And once the wait is over it is borrowed as any other.
+    borrow_once(&Process::open(pid).unwrap());
+}
+
+#[test]
+fn init_non_dumpable_and_set_id_processes_are_off_limits() {
+    require_root();
+    let refusal = |pid: u32| match Process::open(pid) {
+        Err(TargetError::Refused { reason, .. }) => Some(reason),
+        Ok(_) => None,
+        Err(e) => panic!("pid {pid}: {e}"),
+    };
+    assert_eq!(refusal(1), Some(RefusalReason::Init));
+
+    let mut plain = TestChild::spawn();
+    let mut nobody = TestChild::spawn_as_nobody();
+    let mut secretive = TestChild::spawn_as_nobody();
+    let mut setuid = TestChild::spawn();
+    secretive.command("nodump");
+    setuid.command("setids");
+    assert_eq!(refusal(plain.pid_from_proc()), None);
+    assert_eq!(
+        refusal(nobody.pid_from_proc()),
+        None,
+        "a dumpable user process"
+    );
+    assert_eq!(
+        refusal(secretive.pid_from_proc()),
+        Some(RefusalReason::NonDumpable)
+    );
+    assert_eq!(refusal(setuid.pid_from_proc()), Some(RefusalReason::SetId));
 }

@@ -23,6 +23,17 @@
 //! - `unmap ID` → `ok`: unmaps the region.
 //! - `threads N` → `threads ADDR`: N threads that keep incrementing the u64 at ADDR.
 //! - `sleep MS` → `slept`: sleeps in `clock_nanosleep` (a restartable system call).
+//! - `epoll MS TIMEOUT` → `epoll eintr N`: waits in `epoll_wait` (TIMEOUT ms at a time, -1:
+//!   no timeout) until a timer fires after MS ms, and counts the waits that failed with EINTR,
+//!   as an event loop would see them.
+//! - `signals N` → `signals ok` or `signals wrong ...`: takes N queued SIGRTMIN signals whose
+//!   `si_value` must count 0, 1, 2, ... with `si_code` SI_QUEUE (`sigqueue` from the test),
+//!   waiting up to 60 s for all of them.
+//! - `vfork MS` → `vforked`: vforks a child that sleeps MS ms, then exits: until then the
+//!   (single) thread is in the kernel's vfork wait.
+//! - `nodump` → `ok`: `prctl(PR_SET_DUMPABLE, 0)`, as ssh-agent does.
+//! - `setids` → `ok`: sets its effective uid to nobody's, keeping real and saved (as a set-uid
+//!   program's ids differ).
 //! - `seccomp` → `ok`: installs a seccomp filter that allows everything.
 //! - `uffd ID` → `ok`: registers the (fully written) region with a userfaultfd of its own,
 //!   as a process using userfaultfd for itself would.
@@ -303,6 +314,116 @@ fn run(line: &str, regions: &mut Vec<Region>) -> Result<String, String> {
         Some("sleep") => {
             std::thread::sleep(std::time::Duration::from_millis(num(1)?));
             Ok("slept".into())
+        }
+        Some("epoll") => {
+            let ms = num(1)?;
+            let timeout: i32 = words
+                .get(2)
+                .and_then(|w| w.parse().ok())
+                .ok_or("epoll MS TIMEOUT")?;
+            // SAFETY: plain fd-returning calls; the itimerspec and event are owned locals.
+            unsafe {
+                let ep = libc::epoll_create1(0);
+                let timer = libc::timerfd_create(libc::CLOCK_MONOTONIC, 0);
+                let mut when: libc::itimerspec = std::mem::zeroed();
+                when.it_value.tv_sec = (ms / 1000) as i64;
+                when.it_value.tv_nsec = ((ms % 1000) * 1_000_000) as i64;
+                libc::timerfd_settime(timer, 0, &when, std::ptr::null_mut());
+                let mut event = libc::epoll_event {
+                    events: libc::EPOLLIN as u32,
+                    u64: 1,
+                };
+                libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, timer, &mut event);
+                let mut eintr = 0;
+                loop {
+                    let n = libc::epoll_wait(ep, &mut event, 1, timeout);
+                    if n > 0 {
+                        break;
+                    }
+                    if n < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
+                        eintr += 1;
+                    }
+                }
+                libc::close(timer);
+                libc::close(ep);
+                Ok(format!("epoll eintr {eintr}"))
+            }
+        }
+        Some("signals") => {
+            use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+            static NEXT: AtomicU64 = AtomicU64::new(0);
+            static WRONG: AtomicU64 = AtomicU64::new(0);
+            extern "C" fn take(_: i32, info: *mut libc::siginfo_t, _: *mut libc::c_void) {
+                // SAFETY: the kernel passes a valid siginfo to an SA_SIGINFO handler.
+                let (code, value) =
+                    unsafe { ((*info).si_code, (*info).si_value().sival_ptr as u64) };
+                if code != libc::SI_QUEUE || value != NEXT.load(SeqCst) {
+                    WRONG.fetch_add(1, SeqCst);
+                }
+                NEXT.fetch_add(1, SeqCst);
+            }
+            let n = num(1)?;
+            // SAFETY: installs a handler that only touches atomics.
+            unsafe {
+                let mut action: libc::sigaction = std::mem::zeroed();
+                action.sa_sigaction = take as *const () as usize;
+                action.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART;
+                libc::sigaction(libc::SIGRTMIN(), &action, std::ptr::null_mut());
+            }
+            println!("listening");
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+            while NEXT.load(SeqCst) < n && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            match (NEXT.load(SeqCst), WRONG.load(SeqCst)) {
+                (got, 0) if got == n => Ok("signals ok".into()),
+                (got, wrong) => Ok(format!("signals wrong {wrong} got {got} of {n}")),
+            }
+        }
+        Some("vfork") => {
+            // clone(CLONE_VM | CLONE_VFORK) on a stack of its own: the parent waits in the
+            // kernel's vfork wait, as after vfork(2), without sharing its stack.
+            extern "C" fn nap(ms: *mut libc::c_void) -> i32 {
+                let ms = ms as u64;
+                let pause = libc::timespec {
+                    tv_sec: (ms / 1000) as i64,
+                    tv_nsec: ((ms % 1000) * 1_000_000) as i64,
+                };
+                // SAFETY: nanosleep reads the timespec it is given.
+                unsafe { libc::nanosleep(&pause, std::ptr::null_mut()) };
+                0
+            }
+            let mut stack = vec![0u8; 64 * 1024];
+            // SAFETY: the child runs `nap` on `stack`, which outlives it (the parent cannot
+            // return before the child exits, CLONE_VFORK); `nap` touches nothing shared.
+            let child = unsafe {
+                libc::clone(
+                    nap,
+                    stack.as_mut_ptr().add(stack.len()) as *mut libc::c_void,
+                    libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+                    num(1)? as usize as *mut libc::c_void,
+                )
+            };
+            if child < 0 {
+                return Err("clone failed".into());
+            }
+            // SAFETY: reaps the child just made.
+            unsafe { libc::waitpid(child, std::ptr::null_mut(), 0) };
+            Ok("vforked".into())
+        }
+        Some("nodump") => {
+            // SAFETY: prctl with integer arguments.
+            match unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } {
+                0 => Ok("ok".into()),
+                _ => Err(format!("prctl: {}", io::Error::last_os_error())),
+            }
+        }
+        Some("setids") => {
+            // SAFETY: setresuid with plain ids (-1 keeps one); this process only.
+            match unsafe { libc::setresuid(u32::MAX, 65534, u32::MAX) } {
+                0 => Ok("ok".into()),
+                _ => Err(format!("setresuid: {}", io::Error::last_os_error())),
+            }
         }
         Some("uffd") => {
             let r = region(num(1)?)?;

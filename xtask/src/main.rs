@@ -20,6 +20,9 @@ use clap::{Parser, Subcommand};
 
 /// Debian packages of the verified route: rustc 1.96 with LLVM 22, `core` for the bpf
 /// target, and LLVM 22 itself for building bpf-linker.
+/// What the qemu test guests need: the emulator and a kernel to boot.
+const GUEST_PACKAGES: &[&str] = &["qemu-system-x86", "linux-image-amd64"];
+
 const DEBIAN_PACKAGES: &[&str] = &[
     "rustc-web",
     "cargo-web",
@@ -70,6 +73,9 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<OsString>,
     },
+    /// Build the initramfs the qemu test guests boot (target/guest/initrd.cpio): a static
+    /// `/init` that fills known memory and checks it on request.
+    GuestImage,
     /// Build a stripped, optimised rksm (the `dist` profile) and install it, its man pages,
     /// its bash completions, and the unit and example configuration to copy into place.
     Install {
@@ -90,6 +96,7 @@ fn main() -> ExitCode {
         Cmd::Run { args } => run(args),
         Cmd::Test { quick, args } => test(quick, args),
         Cmd::Install { prefix } => install(&prefix),
+        Cmd::GuestImage => guest_image().map(|path| println!("{}", path.display())),
         Cmd::Bench { checksums_only } => bench(checksums_only),
     };
     match result {
@@ -268,7 +275,9 @@ fn setup() -> Result<Route> {
             );
         }
     }
-    eprintln!("xtask: set-up complete ({route:?} route for the eBPF program, bpf-linker present)");
+    // The tests and `rksm bench --profile guests` boot qemu guests (TCG) with a Debian kernel.
+    apt_install(&missing_debian_packages(GUEST_PACKAGES))?;
+    eprintln!("xtask: set-up complete ({route:?} route for the eBPF program, bpf-linker present, qemu and a guest kernel)");
     Ok(route)
 }
 
@@ -321,6 +330,70 @@ fn build() -> Result<()> {
             .env("RKSM_EBPF_OBJECT", ebpf_object()),
     )
     .context("building the daemon")
+}
+
+/// Builds target/guest/initrd.cpio: tests/support/guestinit.rs, linked statically (so the
+/// initramfs needs no libraries), as `/init`, and the `/dev/console` node the kernel opens
+/// for it. Returns its path.
+fn guest_image() -> Result<PathBuf> {
+    let root = workspace_root();
+    let dir = root.join("target/guest");
+    fs::create_dir_all(&dir)?;
+    let init = dir.join("init");
+    run_checked(
+        Command::new("rustc")
+            .args([
+                "--edition",
+                "2021",
+                "-O",
+                "-C",
+                "target-feature=+crt-static",
+                "-C",
+                "strip=symbols",
+            ])
+            .arg(root.join("tests/support/guestinit.rs"))
+            .arg("-o")
+            .arg(&init),
+    )
+    .context("building the guest's /init")?;
+    let mut cpio = Vec::new();
+    newc_entry(&mut cpio, "dev", 0o040_755, (0, 0), &[]);
+    newc_entry(&mut cpio, "dev/console", 0o020_600, (5, 1), &[]);
+    newc_entry(&mut cpio, "init", 0o100_755, (0, 0), &fs::read(&init)?);
+    newc_entry(&mut cpio, "TRAILER!!!", 0, (0, 0), &[]);
+    let image = dir.join("initrd.cpio");
+    fs::write(&image, cpio)?;
+    Ok(image)
+}
+
+/// Appends one entry in the kernel's initramfs format (cpio "newc": a header of hex fields,
+/// the name, the data, each padded to 4 bytes).
+fn newc_entry(out: &mut Vec<u8>, name: &str, mode: u32, rdev: (u32, u32), data: &[u8]) {
+    let ino = out.len() as u32 + 1;
+    let fields = [
+        ino,
+        mode,
+        0,
+        0,
+        1,
+        0,
+        data.len() as u32,
+        0,
+        0,
+        rdev.0,
+        rdev.1,
+        name.len() as u32 + 1,
+        0,
+    ];
+    out.extend_from_slice(b"070701");
+    for f in fields {
+        out.extend_from_slice(format!("{f:08x}").as_bytes());
+    }
+    out.extend_from_slice(name.as_bytes());
+    out.push(0);
+    out.resize(out.len().next_multiple_of(4), 0);
+    out.extend_from_slice(data);
+    out.resize(out.len().next_multiple_of(4), 0);
 }
 
 fn as_root(program: &Path) -> Command {

@@ -24,11 +24,11 @@ use super::BadInput;
 /// workload. Needs root and no other rksm daemon running.
 #[derive(Debug, Args)]
 #[command(
-    after_help = "Example:\n  rksm bench --quick\n  rksm bench --profile mixed --repeat 3 --out bench-report --json"
+    after_help = "Example:\n  rksm bench --quick\n  rksm bench --profile mixed --repeat 3 --out bench-report --json\n  cargo xtask guest-image && rksm bench --profile guests --guest-initrd target/guest/initrd.cpio --interval 5 --seconds 120"
 )]
 pub struct BenchArgs {
-    /// Workload: quick, static, mixed, static-4g, large, or a JSON file with the fields of a
-    /// profile.
+    /// Workload: quick, static, mixed, static-4g, large, guests (qemu guests that mark their
+    /// own RAM mergeable; needs --guest-initrd), or a JSON file with the fields of a profile.
     #[arg(long, value_name = "NAME|FILE")]
     profile: Option<String>,
     /// Small workload, short runs, one repetition: under 3 minutes.
@@ -38,6 +38,16 @@ pub struct BenchArgs {
     /// it reaches 90% of the savings, up to 45 s with --quick, else 180 s.
     #[arg(long, value_name = "SECS", value_parser = |s: &str| Seconds::BENCH.parse(s))]
     seconds: Option<f64>,
+    /// Seconds between rksm's passes; ksmd-tuned and ksmd-advisor sweep in the same time.
+    #[arg(long, value_name = "SECS", default_value = "1", value_parser = |s: &str| Seconds::INTERVAL.parse(s))]
+    interval: f64,
+    /// The initramfs the guests boot (`cargo xtask guest-image` writes
+    /// target/guest/initrd.cpio).
+    #[arg(long, value_name = "FILE")]
+    guest_initrd: Option<PathBuf>,
+    /// The kernel the guests boot [default: the newest /boot/vmlinuz-*].
+    #[arg(long, value_name = "FILE", requires = "guest_initrd")]
+    guest_kernel: Option<PathBuf>,
     /// Runs per configuration; medians are reported (default 1 with --quick, else 3).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=20))]
     repeat: Option<u32>,
@@ -64,13 +74,27 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         Ok(path) if Profile::named(&profile_arg).is_none() => path.display().to_string(),
         _ => profile_arg,
     };
+    let guest = match &args.guest_initrd {
+        Some(initrd) => Some(
+            rksm::tools::guest::GuestImage::new(initrd, args.guest_kernel.as_deref())
+                .map_err(BadInput)?,
+        ),
+        None if profile.is_guests() => {
+            return Err(BadInput(format!(
+                "profile `{profile_arg}` runs qemu guests: pass --guest-initrd (build it with `cargo xtask guest-image`)"
+            ))
+            .into())
+        }
+        None => None,
+    };
     let plan = BenchPlan {
         profile: profile.clone(),
         run_seconds: args.seconds.unwrap_or(if args.quick { 15.0 } else { 30.0 }),
-        interval: 1.0,
+        interval: args.interval,
         rksm: std::env::current_exe().context("locating the rksm binary")?,
         repeat: args.repeat.unwrap_or(if args.quick { 1 } else { 3 }),
         ksmd_default_cap: if args.quick { 45.0 } else { 180.0 },
+        guest,
     };
     let mut names: Vec<&str> = bench::matrix().iter().map(|(c, _)| c.name()).collect();
     names.dedup();
@@ -146,5 +170,12 @@ pub struct WorkloadArgs {
 
 pub fn run_workload(args: WorkloadArgs) -> anyhow::Result<()> {
     let profile = Profile::load(&args.profile).map_err(BadInput)?;
+    if profile.is_guests() {
+        return Err(BadInput(format!(
+            "profile `{}` is made of qemu guests, which `rksm bench` starts itself",
+            args.profile
+        ))
+        .into());
+    }
     workload::serve(&profile, args.index, args.mergeable).context("workload")
 }

@@ -226,8 +226,14 @@ fn serve(spec: TargetSpec, options: &Settings, child: Option<u32>) -> anyhow::Re
     if let Some(fd) = &child_exit {
         interrupts.push(fd.as_fd());
     }
+    daemon
+        .stop_on(&[signals.as_fd()])
+        .context("watching for SIGTERM")?;
     for pass in 1.. {
         let summary = daemon.pass();
+        if daemon.stopping() {
+            break;
+        }
         status.publish(Status::of(&daemon));
         let s = daemon.stats();
         log::info!(

@@ -93,6 +93,9 @@ pub struct DaemonConfig {
     pub ksmd_sweep: Duration,
     /// ksmd's sleep between wake-ups while rksm owns it.
     pub ksmd_sleep_millisecs: u64,
+    /// After convergence, how long a trickle of new duplicates (fewer than 1/64 of the marked
+    /// pages) may wait before ksmd is set going for it.
+    pub ksmd_max_delay: Duration,
     /// Restrict scanning to these `(pid, start, end)` ranges (tests).
     pub only_ranges: Vec<(u32, u64, u64)>,
     /// ebpf mode: passes over which every armed page is audited once.
@@ -111,6 +114,7 @@ impl Default for DaemonConfig {
             policy: MergePolicy::default(),
             ksmd_sweep: Duration::from_millis(500),
             ksmd_sleep_millisecs: 20,
+            ksmd_max_delay: DEFAULT_KSMD_MAX_DELAY,
             only_ranges: Vec::new(),
             audit_passes: DEFAULT_AUDIT_PASSES,
         }
@@ -161,6 +165,10 @@ pub struct DaemonStats {
     pub cow_breaks: u64,
     /// System calls made inside targets (marking, arming).
     pub remote_syscalls: u64,
+    /// Borrows that may have made a target see EINTR: its thread was asleep in a call the
+    /// kernel does not restart, and rksm could not restart it either.
+    #[serde(default)]
+    pub eintr_risk: u64,
     /// Targets refused, by reason.
     pub targets_refused: BTreeMap<String, u64>,
     /// The dirty mode in use.
@@ -242,6 +250,42 @@ impl Refusals {
     }
 }
 
+/// How long a trickle of steady-state work may wait for ksmd by default: three sweeps a
+/// minute at most, against twelve for ksmd tuned to sweep everything in 5 s.
+pub const DEFAULT_KSMD_MAX_DELAY: Duration = Duration::from_secs(60);
+
+/// What a pass found for ksmd to do.
+#[derive(Debug, Clone, Copy)]
+struct KsmdWork {
+    /// Runs newly marked and duplicates newly found.
+    new: u64,
+    /// How much ksmd's `pages_sharing` grew during the pass.
+    merged: u64,
+}
+
+/// Work waiting for ksmd's next batch of sweeps.
+#[derive(Debug, Default)]
+struct KsmdBacklog {
+    pages: u64,
+    since: Option<Instant>,
+}
+
+impl KsmdBacklog {
+    /// Adds `work` found at `now`; returns the backlog.
+    fn add(&mut self, work: u64, now: Instant) -> u64 {
+        if work > 0 {
+            self.pages += work;
+            self.since.get_or_insert(now);
+        }
+        self.pages
+    }
+
+    /// True if work has waited `delay` or longer.
+    fn waited(&self, delay: Duration) -> bool {
+        self.since.is_some_and(|t| t.elapsed() >= delay)
+    }
+}
+
 /// The running daemon.
 pub struct Daemon {
     config: DaemonConfig,
@@ -258,8 +302,14 @@ pub struct Daemon {
     domains: Domains,
     stats: DaemonStats,
     marking_syscalls: u64,
+    /// A pass was cut short by [`Daemon::stop_on`]'s signal.
+    stopping: bool,
+    /// [`remote::eintr_risk`] when the daemon started (the counter is process-wide).
+    eintr_risk_at_start: u64,
     /// ksmd is paced to the marked set until its `full_scans` reaches this.
     ksmd_busy_until: u64,
+    /// Work found since ksmd was last set going, not yet worth a sweep of its own.
+    ksmd_backlog: KsmdBacklog,
     started: SystemTime,
     last_pass: Option<PassSummary>,
 }
@@ -326,7 +376,10 @@ impl Daemon {
                 ..DaemonStats::default()
             },
             marking_syscalls: 0,
+            eintr_risk_at_start: remote::eintr_risk(),
+            stopping: false,
             ksmd_busy_until: 0,
+            ksmd_backlog: KsmdBacklog::default(),
             started: SystemTime::now(),
             last_pass: None,
         };
@@ -382,6 +435,16 @@ impl Daemon {
         let now = self.stats.full_scans;
         self.refresh_targets();
         let report = self.scan();
+        if report.stopped {
+            // SIGTERM or SIGINT mid-pass: nothing more is started, the daemon stops.
+            self.stopping = true;
+            return PassSummary {
+                number: self.stats.full_scans,
+                ended_unix: unix_time(SystemTime::now()),
+                seconds: started.elapsed().as_secs_f64(),
+                ..PassSummary::default()
+            };
+        }
         self.drop_lost(&report);
         between_scan_and_mark();
         let cow_breaks = self.account_cow_breaks(&report, now);
@@ -389,10 +452,12 @@ impl Daemon {
         let sharing_before = self.stats.pages_sharing;
         self.account(&report);
         // Work for ksmd: runs newly marked, duplicates newly found (in marked runs too: a page
-        // whose merge broke and that is a duplicate again), or ksmd still merging.
-        let work = runs_marked
-            + report.total.duplicate_pages
-            + u64::from(self.stats.pages_sharing != sharing_before);
+        // whose merge broke and that is a duplicate again), and, while it sweeps, ksmd still
+        // merging.
+        let work = KsmdWork {
+            new: runs_marked + report.total.duplicate_pages,
+            merged: self.stats.pages_sharing.saturating_sub(sharing_before),
+        };
         self.pace_ksmd(work);
         let summary = PassSummary {
             number: self.stats.full_scans,
@@ -694,6 +759,7 @@ impl Daemon {
         s.pages_skipped_clean += report.total.pages_skipped_clean;
         s.checksum_ns += report.total.checksum_ns;
         s.remote_syscalls = self.marking_syscalls + self.scanner.dirty_remote_syscalls();
+        s.eintr_risk = remote::eintr_risk() - self.eintr_risk_at_start;
         s.regions_backed_off = self
             .targets
             .values()
@@ -730,17 +796,28 @@ impl Daemon {
         }
     }
 
-    /// Step 7: pace ksmd to the work. New work (runs newly marked, duplicates newly found,
-    /// ksmd's `pages_sharing` still moving) keeps it paced to sweep the marked set in about
-    /// `ksmd_sweep` until it has completed three more full scans: a page needs two sweeps
-    /// to be merged, and the scan in progress may have passed its process already. With no
-    /// work left, ksmd gets back the settings found at take-over (stopped, on a host that
-    /// had not started it): after convergence it costs nothing, and the exact dirty bit says
-    /// when it is needed again.
-    fn pace_ksmd(&mut self, work: u64) {
+    /// Step 7: pace ksmd to the work. ksmd cannot be pointed at pages: each full scan visits
+    /// all mergeable memory, rksm's marks and whatever processes marked themselves (qemu
+    /// marks its guest's RAM). So a sweep is worth starting only for a batch of work. A batch
+    /// is due when the work found since the last one reaches 1/64 of the marked pages (the
+    /// first pass's duplicates, a workload that changed) or has waited `ksmd_max_delay` (the
+    /// trickle of a steady state: a guest kernel zeroing a few pages a second). Then ksmd is
+    /// paced to sweep the marked set in about `ksmd_sweep` until it has completed three more
+    /// full scans: a page needs two sweeps to be merged, and the scan in progress may have
+    /// passed its process already. Merges that are still coming in as the third scan ends
+    /// (ksmd's `pages_sharing` grew by a batch within a pass) extend it. With no batch due,
+    /// ksmd gets back the settings found at take-over (stopped, on a host that had not
+    /// started it): after convergence it costs nothing until the dirty bit finds work.
+    fn pace_ksmd(&mut self, work: KsmdWork) {
         let full_scans = ksmd::counters(&self.config.ksm_root).map_or(0, |k| k.full_scans);
-        if work > 0 {
+        let busy = full_scans < self.ksmd_busy_until;
+        let batch = (self.stats.pages_marked / 64).max(1);
+        if self.ksmd_backlog.add(work.new, Instant::now()) >= batch
+            || self.ksmd_backlog.waited(self.config.ksmd_max_delay)
+            || (busy && work.merged >= batch)
+        {
             self.ksmd_busy_until = full_scans + 3;
+            self.ksmd_backlog = KsmdBacklog::default();
         }
         let pace = if full_scans < self.ksmd_busy_until {
             ksmd::pace(
@@ -775,8 +852,14 @@ impl Daemon {
             } else {
                 left.min(ring_quiet_until - now)
             };
-            let timeout =
-                PollTimeout::try_from(step.min(Duration::from_secs(1))).unwrap_or(PollTimeout::MAX);
+            // A thread given up for not stopping in time is let go as soon as it stops: look
+            // every 10 ms while there is one.
+            let longest = if remote::reap_lingering() > 0 {
+                Duration::from_millis(10)
+            } else {
+                Duration::from_secs(1)
+            };
+            let timeout = PollTimeout::try_from(step.min(longest)).unwrap_or(PollTimeout::MAX);
             let recorder = self.recorder.clone();
             let recorder_ref = recorder.as_ref().map(|r| r.borrow());
             let records = recorder_ref.as_ref().map(|r| r.records_fd());
@@ -808,6 +891,29 @@ impl Daemon {
                 return false;
             }
         }
+    }
+
+    /// Ends a pass early, between targets, once one of `fds` is readable (the signalfd of
+    /// SIGINT and SIGTERM): the daemon then stops within one target's read, not one pass.
+    pub fn stop_on(&mut self, fds: &[BorrowedFd<'_>]) -> std::io::Result<()> {
+        let fds: Vec<std::os::fd::OwnedFd> = fds
+            .iter()
+            .map(|fd| fd.try_clone_to_owned())
+            .collect::<Result<_, _>>()?;
+        self.scanner.stop_when(move || {
+            use std::os::fd::AsFd;
+            let mut polled: Vec<PollFd<'_>> = fds
+                .iter()
+                .map(|fd| PollFd::new(fd.as_fd(), PollFlags::POLLIN))
+                .collect();
+            poll(&mut polled, PollTimeout::ZERO).is_ok_and(|n| n > 0)
+        });
+        Ok(())
+    }
+
+    /// True once a pass was cut short to stop.
+    pub fn stopping(&self) -> bool {
+        self.stopping
     }
 
     /// Stops: restores ksmd's settings and returns the final counters. Marked ranges stay

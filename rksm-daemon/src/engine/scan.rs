@@ -135,6 +135,8 @@ pub struct ProcessCounts {
 /// Everything one pass found.
 #[derive(Debug, Clone, Default)]
 pub struct PassReport {
+    /// The pass was cut short: the daemon is stopping.
+    pub stopped: bool,
     /// Processes scanned to the end, by pid.
     pub processes: Vec<ProcessCounts>,
     /// Sum over `processes`.
@@ -280,9 +282,18 @@ pub struct Scanner {
     merge_candidates: HashMap<u32, Vec<(u64, u64)>>,
     ksm_pages: HashMap<u32, Vec<u64>>,
     ksm_checksums: HashMap<u32, Vec<u64>>,
+    /// Asked between targets: true ends the pass where it is (the daemon is stopping).
+    stop: Option<Box<dyn Fn() -> bool>>,
 }
 
 impl Scanner {
+    /// Ends passes early, between targets, once `stop` says so. What a pass cut short leaves
+    /// is for a daemon that is exiting: pages of the targets not yet read are out of the
+    /// index until they are read again.
+    pub fn stop_when(&mut self, stop: impl Fn() -> bool + 'static) {
+        self.stop = Some(Box::new(stop));
+    }
+
     /// A scanner with no history. Needs root: PFNs and /proc/kpageflags are root-only.
     pub fn new(config: ScanConfig, dirty: Box<dyn DirtySource>) -> Result<Self, ProcfsError> {
         Ok(Scanner {
@@ -300,6 +311,7 @@ impl Scanner {
             merge_candidates: HashMap::new(),
             ksm_pages: HashMap::new(),
             ksm_checksums: HashMap::new(),
+            stop: None,
         })
     }
 
@@ -384,6 +396,10 @@ impl Scanner {
         let pages_total = plans.iter().map(|(_, w)| w.pages()).sum();
         let mut pages_done = 0;
         for (target, work) in plans {
+            if self.stop.as_ref().is_some_and(|stop| stop()) {
+                report.stopped = true;
+                break;
+            }
             let pid = target.pid();
             let result = self.scan_target(target, &work, &mut |done| {
                 progress(Progress {

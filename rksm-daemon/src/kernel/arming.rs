@@ -19,7 +19,7 @@
 
 use std::{
     collections::HashSet,
-    fs::File,
+    fs::{self, File},
     io,
     os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd},
 };
@@ -164,9 +164,9 @@ impl Armed {
             )
         };
         let taken = io::Error::last_os_error();
-        // The target's copy goes whatever happened: it must not keep an extra fd.
-        let closed = session.syscall(nr::CLOSE, &[remote_fd as u64])?;
         if local < 0 {
+            // Its copy goes: the target must not keep an extra fd.
+            session.syscall(nr::CLOSE, &[remote_fd as u64])?;
             return Err(ArmError::Io {
                 pid,
                 what: "pidfd_getfd",
@@ -175,6 +175,20 @@ impl Armed {
         }
         // SAFETY: the kernel just gave us this fd and nothing else owns it.
         let uffd = unsafe { OwnedFd::from_raw_fd(local as i32) };
+        // Another thread of the target may have closed the number and opened something else
+        // under it meanwhile. Only a userfaultfd is ours to take, and its copy ours to close.
+        let what = fs::read_link(format!("/proc/self/fd/{local}")).unwrap_or_default();
+        if what.as_os_str() != "anon_inode:[userfaultfd]" {
+            return Err(ArmError::Io {
+                pid,
+                what: "pidfd_getfd",
+                source: io::Error::other(format!(
+                    "fd {remote_fd} is now {}, not the userfaultfd made for rksm; left alone",
+                    what.display()
+                )),
+            });
+        }
+        let closed = session.syscall(nr::CLOSE, &[remote_fd as u64])?;
         if closed != 0 {
             log::warn!("pid {pid}: closing its userfaultfd copy returned {closed}");
         }

@@ -28,6 +28,16 @@ pub enum RefusalReason {
     Rksm,
     /// The process is exiting or a zombie.
     Exiting,
+    /// PID 1: a hang or a SIGKILL while it is borrowed takes the host down.
+    Init,
+    /// The init of another PID namespace (a container's): the same, for the container.
+    NamespaceInit,
+    /// A user's process made itself non-dumpable (`PR_SET_DUMPABLE` 0, as ssh-agent does):
+    /// it does not want its memory read, and the kernel keeps even its owner from tracing it.
+    NonDumpable,
+    /// Its real, effective and saved user or group ids differ: a set-id program, holding
+    /// privileges its invoker does not have.
+    SetId,
 }
 
 impl RefusalReason {
@@ -37,6 +47,10 @@ impl RefusalReason {
             RefusalReason::KernelThread => "kernel_thread",
             RefusalReason::Rksm => "rksm_itself",
             RefusalReason::Exiting => "exiting",
+            RefusalReason::Init => "init",
+            RefusalReason::NamespaceInit => "namespace_init",
+            RefusalReason::NonDumpable => "non_dumpable",
+            RefusalReason::SetId => "set_id",
         }
     }
 }
@@ -47,6 +61,10 @@ impl fmt::Display for RefusalReason {
             RefusalReason::KernelThread => "it is a kernel thread",
             RefusalReason::Rksm => "it is rksm itself",
             RefusalReason::Exiting => "it is exiting",
+            RefusalReason::Init => "it is the init process (PID 1)",
+            RefusalReason::NamespaceInit => "it is the init of a PID namespace",
+            RefusalReason::NonDumpable => "it is not dumpable",
+            RefusalReason::SetId => "its real, effective and saved ids differ (a set-id program)",
         })
     }
 }
@@ -130,7 +148,10 @@ impl Process {
         if process.has_exited() {
             return Err(TargetError::NotFound(pid));
         }
-        if let Some(reason) = stat.refusal() {
+        let reason = stat
+            .refusal()
+            .or_else(|| (!is_dumpable(tgid, stat.uids[0])).then_some(RefusalReason::NonDumpable));
+        if let Some(reason) = reason {
             return Err(TargetError::Refused {
                 pid: tgid,
                 comm: stat.comm,
@@ -225,6 +246,12 @@ struct ProcStat {
     flags: u64,
     /// Field 22: when the process started, in clock ticks after boot.
     start_ticks: u64,
+    /// Real, effective, saved and filesystem user ids.
+    uids: [u32; 4],
+    /// The same for group ids.
+    gids: [u32; 4],
+    /// Its pid in the innermost PID namespace it belongs to.
+    innermost_pid: u32,
 }
 
 impl ProcStat {
@@ -248,12 +275,20 @@ impl ProcStat {
         let state = stat_field(stat, 3)?.chars().next()?;
         let flags = stat_field(stat, 9)?.parse().ok()?;
         let start_ticks = stat_field(stat, 22)?.parse().ok()?;
-        let tgid = status
-            .lines()
-            .find_map(|l| l.strip_prefix("Tgid:"))?
-            .trim()
-            .parse()
-            .ok()?;
+        let field = |name: &str| status.lines().find_map(|l| l.strip_prefix(name));
+        let tgid = field("Tgid:")?.trim().parse().ok()?;
+        let ids = |name: &str| -> Option<[u32; 4]> {
+            let v: Vec<u32> = field(name)?
+                .split_whitespace()
+                .map(|w| w.parse().ok())
+                .collect::<Option<_>>()?;
+            v.try_into().ok()
+        };
+        // Without a namespace line (old kernels), the pid is its own.
+        let innermost_pid = match field("NSpid:") {
+            Some(ns) => ns.split_whitespace().last()?.parse().ok()?,
+            None => tgid,
+        };
         Some(ProcStat {
             pid,
             tgid,
@@ -261,6 +296,9 @@ impl ProcStat {
             state,
             flags,
             start_ticks,
+            uids: ids("Uid:")?,
+            gids: ids("Gid:")?,
+            innermost_pid,
         })
     }
 
@@ -271,9 +309,31 @@ impl ProcStat {
             Some(RefusalReason::Rksm)
         } else if self.flags & PF_EXITING != 0 || matches!(self.state, 'Z' | 'X' | 'x') {
             Some(RefusalReason::Exiting)
+        } else if self.tgid == 1 {
+            Some(RefusalReason::Init)
+        } else if self.innermost_pid == 1 {
+            Some(RefusalReason::NamespaceInit)
+        } else if self.uids[..3].iter().any(|&u| u != self.uids[0])
+            || self.gids[..3].iter().any(|&g| g != self.gids[0])
+        {
+            Some(RefusalReason::SetId)
         } else {
             None
         }
+    }
+}
+
+/// Whether process `pid`, running as `uid`, is dumpable. /proc does not say in words, but
+/// the kernel gives a non-dumpable process's /proc files (its directory aside) to root
+/// (`task_dump_owner`), so a process of a user whose /proc/PID/status belongs to root has
+/// made itself non-dumpable. For a process running as root the two cannot be told apart,
+/// and none needs to be: its memory is root's, as rksm is.
+pub fn is_dumpable(pid: u32, uid: u32) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match fs::metadata(format!("/proc/{pid}/status")) {
+        Ok(meta) => uid == 0 || meta.uid() == uid,
+        // Gone meanwhile: not a reason to refuse; the caller finds out.
+        Err(_) => true,
     }
 }
 
@@ -287,7 +347,7 @@ mod tests {
         ProcStat::parse(
             pid,
             &line,
-            &format!("Name:\tx\nTgid:\t{tgid}\nPid:\t{pid}\n"),
+            &format!("Name:\tx\nTgid:\t{tgid}\nPid:\t{pid}\nUid:\t1000\t1000\t1000\t1000\nGid:\t100\t100\t100\t100\nNSpid:\t{pid}\n"),
         )
         .unwrap()
     }
@@ -321,6 +381,43 @@ mod tests {
             Some(RefusalReason::Rksm)
         );
         assert_eq!(stat(9, 9, "worker", 'S', 0x400100).refusal(), None);
+        assert_eq!(
+            stat(1, 1, "systemd", 'S', 0).refusal(),
+            Some(RefusalReason::Init)
+        );
+    }
+
+    #[test]
+    fn set_id_programs_and_namespace_inits_are_refused() {
+        let line = "77 (x) S 1 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 4242 0 0";
+        let status = |uid: &str, gid: &str, nspid: &str| {
+            format!("Tgid:\t77\nUid:\t{uid}\nGid:\t{gid}\nNSpid:\t{nspid}\n")
+        };
+        let refusal = |uid, gid, nspid| {
+            ProcStat::parse(77, line, &status(uid, gid, nspid))
+                .unwrap()
+                .refusal()
+        };
+        assert_eq!(refusal("5 5 5 5", "5 5 5 5", "77"), None);
+        assert_eq!(
+            refusal("1000 0 0 0", "5 5 5 5", "77"),
+            Some(RefusalReason::SetId),
+            "setuid root"
+        );
+        assert_eq!(
+            refusal("5 5 5 5", "5 42 42 42", "77"),
+            Some(RefusalReason::SetId),
+            "setgid"
+        );
+        assert_eq!(
+            refusal("5 5 5 5", "5 5 5 5", "77 1"),
+            Some(RefusalReason::NamespaceInit)
+        );
+        assert_eq!(
+            refusal("5 5 5 5", "5 5 5 5", "77 12"),
+            None,
+            "a container's other processes"
+        );
     }
 
     proptest::proptest! {
@@ -334,7 +431,7 @@ mod tests {
         #[test]
         fn comm_survives_any_characters(comm in "[^\\n]{0,15}") {
             let line = format!("7 ({comm}) S 1 1 1 0 -1 64 0 0 0 0 0 0 0 0 20 0 1 0 99 0 0");
-            let parsed = ProcStat::parse(7, &line, "Tgid:\t7\n").expect("well-formed");
+            let parsed = ProcStat::parse(7, &line, "Tgid:\t7\nUid:\t0\t0\t0\t0\nGid:\t0\t0\t0\t0\n").expect("well-formed");
             proptest::prop_assert_eq!(parsed.comm, comm);
             proptest::prop_assert_eq!(parsed.start_ticks, 99);
         }
@@ -346,7 +443,13 @@ mod tests {
         let read = |name: &str| std::fs::read_to_string(dir.join(name)).unwrap();
         let init = ProcStat::parse(1, &read("stat-1.txt"), &read("status-1.txt")).unwrap();
         assert_eq!((init.pid, init.tgid), (1, 1));
-        let kthreadd = ProcStat::parse(2, &read("stat-2.txt"), "Tgid:\t2\n").unwrap();
+        assert_eq!(init.refusal(), Some(RefusalReason::Init));
+        let kthreadd = ProcStat::parse(
+            2,
+            &read("stat-2.txt"),
+            "Tgid:\t2\nUid:\t0\t0\t0\t0\nGid:\t0\t0\t0\t0\n",
+        )
+        .unwrap();
         assert_eq!(kthreadd.refusal(), Some(RefusalReason::KernelThread));
     }
 

@@ -66,6 +66,11 @@ impl ProcMem {
     pub fn read_page(&self, addr: u64, buf: &mut [u8]) -> bool {
         matches!(self.file.read_at(&mut buf[..PAGE], addr), Ok(PAGE))
     }
+
+    /// Reads `buf.len()` bytes at `addr`; false unless all of them were read.
+    pub fn read_at(&self, addr: u64, buf: &mut [u8]) -> bool {
+        self.file.read_exact_at(buf, addr).is_ok()
+    }
 }
 
 /// Reads `addrs` (page-aligned) of the process behind `mem` into `out`, page `i` at

@@ -9,20 +9,34 @@
 //! restored and the thread detached. Restoring `orig_rax`/`rax` as they were lets the kernel
 //! restart a system call the thread was sleeping in, exactly as after any signal. Many calls
 //! share one stop. Targets that cannot be borrowed safely (already traced, under seccomp,
-//! which might kill them for our call, stopped, in uninterruptible sleep) are refused
-//! before anything is done to them.
+//! which might kill them for our call, stopped, in uninterruptible sleep, 32-bit) are
+//! refused before anything is done to them.
+//!
+//! The borrow follows CRIU's compel (infect.c). A signal that arrives before the interrupt's
+//! stop is handed straight back with `PTRACE_CONT` (its siginfo intact); once stopped, every
+//! signal is blocked with `PTRACE_SETSIGMASK` for the length of the borrow, so nothing is
+//! dequeued and nothing needs resending, and the mask is put back exactly. A stop is taken as
+//! the injected call's only if the instruction pointer is past the `syscall`, `orig_rax` is
+//! the call's number and the code segment is 64-bit; retries are bounded. Every wait has a
+//! deadline: a thread that does not stop in time is given up, and it is let go (registers
+//! and mask restored if they were changed) as soon as it does stop ([`reap_lingering`]).
+//!
+//! The thread borrowed is the one least likely to notice: one running in user space, or
+//! asleep in a call the kernel restarts by itself, before one asleep in a call that returns
+//! EINTR when interrupted (`epoll_wait`, socket calls with timeouts, SysV IPC, io_uring). If
+//! such a call was interrupted anyway, an `epoll_wait` without a timeout is restarted as the
+//! kernel restarts its own calls; any other is counted in [`eintr_risk`].
 
-use std::{fmt, fs};
-
-use nix::{
-    errno::Errno,
-    sys::{
-        ptrace,
-        signal::Signal,
-        wait::{waitpid, WaitPidFlag, WaitStatus},
+use std::{
+    fmt, fs,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Mutex,
     },
-    unistd::Pid,
+    time::{Duration, Instant},
 };
+
+use nix::{errno::Errno, sys::ptrace, unistd::Pid};
 
 use crate::kernel::{process::Process, procfs, reader::ProcMem};
 
@@ -39,6 +53,25 @@ pub mod nr {
     pub const USERFAULTFD: u64 = libc::SYS_userfaultfd as u64;
 }
 
+/// How long a thread may take to reach the interrupt's stop. A thread running or asleep
+/// interruptibly stops in microseconds; one that does not within this is in a wait rksm
+/// will not sit out (a FUSE request, a vfork parent, a disk wait).
+pub const STOP_DEADLINE: Duration = Duration::from_millis(500);
+/// How long one injected call may take (`madvise` over a large range walks its pages).
+pub const CALL_DEADLINE: Duration = Duration::from_secs(5);
+/// Attempts at one call before the borrow is given up: a stop that is not the call's (an
+/// unblockable SIGSTOP) costs one.
+const CALL_ATTEMPTS: u32 = 4;
+
+/// Borrows whose thread came back from an interrupted call with EINTR that rksm could not
+/// restart: the target may have noticed. Process-wide, like the kernel's counters.
+static EINTR_RISK: AtomicU64 = AtomicU64::new(0);
+
+/// Borrows that may have made a target see EINTR (see the module documentation).
+pub fn eintr_risk() -> u64 {
+    EINTR_RISK.load(Ordering::Relaxed)
+}
+
 /// The registers of a borrowed thread, and how a system call is made with them. Only x86_64
 /// is implemented: elsewhere [`RemoteSession::begin`] refuses with
 /// [`RemoteError::Unsupported`], and everything that needs no borrowed thread still works.
@@ -50,6 +83,35 @@ mod arch {
     pub type Regs = nix::libc::user_regs_struct;
     /// The `syscall` instruction.
     pub const SYSCALL: [u8; 2] = [0x0f, 0x05];
+    /// The user code segment of a 64-bit process (0x23 is compat mode's).
+    const USER_CS_64: u64 = 0x33;
+
+    /// True if the thread runs 64-bit code.
+    pub fn is_64bit(regs: &Regs) -> bool {
+        regs.cs == USER_CS_64
+    }
+
+    /// The thread was stopped as an interrupted call returned: which call and its result.
+    pub fn interrupted_call(regs: &Regs) -> (i64, i64) {
+        (regs.orig_rax as i64, regs.rax as i64)
+    }
+
+    /// Where the `syscall` instruction that made the last call is (if it was one).
+    pub fn call_site(regs: &Regs) -> u64 {
+        regs.rip.wrapping_sub(SYSCALL.len() as u64)
+    }
+
+    /// `regs`, made to enter the call they were interrupted in again, as the kernel does
+    /// for -ERESTARTSYS: back onto the `syscall`, the number in rax.
+    pub fn restart(regs: &mut Regs) {
+        regs.rip = call_site(regs);
+        regs.rax = regs.orig_rax;
+    }
+
+    /// The fourth argument (`epoll_wait`'s timeout).
+    pub fn arg4(regs: &Regs) -> u64 {
+        regs.r10
+    }
 
     pub fn get(tid: Pid) -> nix::Result<Regs> {
         ptrace::getregs(tid)
@@ -71,10 +133,12 @@ mod arch {
         regs
     }
 
-    /// The call's result, if the thread stepped over the instruction at `at` (a signal can
-    /// stop it before it executes the instruction: then the call is made again).
-    pub fn result(after: &Regs, at: u64) -> Option<i64> {
-        (after.rip == at + SYSCALL.len() as u64).then_some(after.rax as i64)
+    /// The call's result, if this stop is the injected call's: the thread stepped over the
+    /// instruction at `at`, the kernel ran call `number`, in 64-bit mode. Anything else (a
+    /// stop before the instruction ran) means the call is made again.
+    pub fn result(after: &Regs, at: u64, number: u64) -> Option<i64> {
+        (after.rip == at + SYSCALL.len() as u64 && after.orig_rax == number && is_64bit(after))
+            .then_some(after.rax as i64)
     }
 }
 
@@ -95,8 +159,26 @@ mod arch {
 
     pub fn call(_saved: &Regs, _at: u64, _number: u64, _args: [u64; 6]) -> Regs {}
 
-    pub fn result(_after: &Regs, _at: u64) -> Option<i64> {
+    pub fn result(_after: &Regs, _at: u64, _number: u64) -> Option<i64> {
         None
+    }
+
+    pub fn is_64bit(_regs: &Regs) -> bool {
+        false
+    }
+
+    pub fn interrupted_call(_regs: &Regs) -> (i64, i64) {
+        (-1, 0)
+    }
+
+    pub fn call_site(_regs: &Regs) -> u64 {
+        0
+    }
+
+    pub fn restart(_regs: &mut Regs) {}
+
+    pub fn arg4(_regs: &Regs) -> u64 {
+        0
     }
 }
 
@@ -109,18 +191,21 @@ pub enum RemoteRefusal {
     Seccomp,
     /// The process is stopped (SIGSTOP, job control); resuming it would be a surprise.
     Stopped,
-    /// The thread is in uninterruptible sleep; waiting for it could block rksm.
+    /// Every thread is in uninterruptible sleep; waiting for one could block rksm.
     UninterruptibleSleep,
     /// No `syscall` instruction in its vDSO (no vDSO, or an unexpected one).
     NoVdso,
+    /// A 32-bit (compat or x32) program: `syscall` and the call numbers mean something else.
+    Compat,
 }
 
 impl RemoteRefusal {
-    /// Whether the reason lasts as long as the process (seccomp cannot be turned off); the
-    /// others can pass: a tracer detaches, a stop or a disk wait ends, and a process caught
-    /// in the middle of an exec has no vDSO mapped for a moment.
+    /// Whether the reason lasts as long as the process (seccomp cannot be turned off, a
+    /// program stays 32-bit until it executes another); the others can pass: a tracer
+    /// detaches, a stop or a disk wait ends, and a process caught in the middle of an exec
+    /// has no vDSO mapped for a moment.
     pub fn is_lasting(self) -> bool {
-        matches!(self, RemoteRefusal::Seccomp)
+        matches!(self, RemoteRefusal::Seccomp | RemoteRefusal::Compat)
     }
 
     /// Stable short name, used as a counter label.
@@ -131,6 +216,7 @@ impl RemoteRefusal {
             RemoteRefusal::Stopped => "stopped",
             RemoteRefusal::UninterruptibleSleep => "uninterruptible_sleep",
             RemoteRefusal::NoVdso => "no_vdso",
+            RemoteRefusal::Compat => "compat",
         }
     }
 }
@@ -141,8 +227,9 @@ impl fmt::Display for RemoteRefusal {
             RemoteRefusal::Traced => "it is already being traced",
             RemoteRefusal::Seccomp => "it runs under seccomp",
             RemoteRefusal::Stopped => "it is stopped",
-            RemoteRefusal::UninterruptibleSleep => "it is in uninterruptible sleep",
+            RemoteRefusal::UninterruptibleSleep => "every thread is in uninterruptible sleep",
             RemoteRefusal::NoVdso => "it has no vDSO syscall instruction to borrow",
+            RemoteRefusal::Compat => "it is a 32-bit program",
         })
     }
 }
@@ -165,6 +252,19 @@ pub enum RemoteError {
     /// holds belong to an address space that no longer exists. Nothing was done to it.
     #[error("pid {0} executed a new program since it was scanned")]
     NewImage(u32),
+    /// The thread did not stop in time; it is let go as soon as it does.
+    #[error("pid {pid}: thread {tid} did not stop within {:?}; given up", deadline)]
+    NoStop {
+        /// The process.
+        pid: u32,
+        /// The thread.
+        tid: i32,
+        /// The bound it missed.
+        deadline: Duration,
+    },
+    /// Stops that were not the injected call's came back every time.
+    #[error("pid {0}: the injected call did not complete after {CALL_ATTEMPTS} attempts; its registers were restored")]
+    Unsettled(u32),
     /// Remote system calls are not implemented for this architecture.
     #[error("remote system calls are implemented for x86_64 only; rksm cannot mark or arm targets here (`rksm estimate` and `rksm trace` still work)")]
     Unsupported,
@@ -210,22 +310,107 @@ impl BorrowStatus {
             Some(RemoteRefusal::Seccomp)
         } else if matches!(self.state, 'T' | 't') {
             Some(RemoteRefusal::Stopped)
-        } else if self.state == 'D' {
-            Some(RemoteRefusal::UninterruptibleSleep)
         } else {
             None
         }
     }
 }
 
+/// System calls that return EINTR, not a restart, when the thread is interrupted (even by
+/// a ptrace interrupt, with no signal at all): the event waits, socket calls (with a
+/// timeout they return EINTR), SysV and POSIX message queues, semaphores, io_uring and AIO.
+const EINTR_CALLS: &[i64] = &[
+    libc::SYS_epoll_wait,
+    libc::SYS_epoll_pwait,
+    libc::SYS_epoll_pwait2,
+    libc::SYS_accept,
+    libc::SYS_accept4,
+    libc::SYS_connect,
+    libc::SYS_recvfrom,
+    libc::SYS_recvmsg,
+    libc::SYS_recvmmsg,
+    libc::SYS_sendto,
+    libc::SYS_sendmsg,
+    libc::SYS_semop,
+    libc::SYS_semtimedop,
+    libc::SYS_msgrcv,
+    libc::SYS_msgsnd,
+    libc::SYS_mq_timedreceive,
+    libc::SYS_mq_timedsend,
+    libc::SYS_rt_sigtimedwait,
+    libc::SYS_io_getevents,
+    333, // io_pgetevents (not in libc's list)
+    libc::SYS_io_uring_enter,
+];
+
+/// How much borrowing a thread would disturb it, from its state and /proc/PID/task/TID/syscall
+/// (`running`, `-1 ...` outside a call, or `NR args...` asleep in call NR). `None`: it
+/// cannot be borrowed now (disk wait, stopped, dying).
+pub(crate) fn disturbance(state: char, syscall: &str) -> Option<u8> {
+    match state {
+        'R' => Some(0),
+        'S' => {
+            let nr: i64 = syscall.split_whitespace().next()?.parse().unwrap_or(-1);
+            Some(if EINTR_CALLS.contains(&nr) { 2 } else { 1 })
+        }
+        _ => None,
+    }
+}
+
+/// The thread to borrow: the least disturbed (see [`disturbance`]), the main thread first
+/// among equals. `UninterruptibleSleep` if none can be borrowed now.
+fn choose_thread(pid: u32) -> Result<Pid, RemoteError> {
+    let tasks = fs::read_dir(format!("/proc/{pid}/task")).map_err(|_| RemoteError::Gone(pid))?;
+    let mut best: Option<(u8, bool, i32)> = None;
+    for tid in tasks
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+    {
+        let dir = format!("/proc/{pid}/task/{tid}");
+        let (Ok(stat), Ok(syscall)) = (
+            fs::read_to_string(format!("{dir}/stat")),
+            fs::read_to_string(format!("{dir}/syscall")),
+        ) else {
+            continue;
+        };
+        let Some(state) = procfs::stat_field(&stat, 3).and_then(|s| s.chars().next()) else {
+            continue;
+        };
+        if let Some(cost) = disturbance(state, &syscall) {
+            let key = (cost, tid as u32 != pid, tid);
+            if best.is_none_or(|b| key < b) {
+                best = Some(key);
+            }
+        }
+    }
+    best.map(|(.., tid)| Pid::from_raw(tid))
+        .ok_or(RemoteError::Refused {
+            pid,
+            reason: RemoteRefusal::UninterruptibleSleep,
+        })
+}
+
+/// True if the program is 32-bit (i386 or x32): ELF class 1 in its executable's header.
+fn is_32bit_program(pid: u32) -> bool {
+    use std::io::Read;
+    let mut ident = [0u8; 5];
+    fs::File::open(format!("/proc/{pid}/exe"))
+        .and_then(|mut f| f.read_exact(&mut ident))
+        .is_ok_and(|()| &ident[..4] == b"\x7fELF" && ident[4] == 1)
+}
+
 /// Checks whether `pid` can be borrowed, without touching it.
 pub fn check_borrowable(pid: u32) -> Result<(), RemoteError> {
     let status =
         fs::read_to_string(format!("/proc/{pid}/status")).map_err(|_| RemoteError::Gone(pid))?;
-    match BorrowStatus::parse(&status).and_then(|s| s.refusal()) {
-        Some(reason) => Err(RemoteError::Refused { pid, reason }),
-        None => Ok(()),
+    let refused = |reason| Err(RemoteError::Refused { pid, reason });
+    if let Some(reason) = BorrowStatus::parse(&status).and_then(|s| s.refusal()) {
+        return refused(reason);
     }
+    if is_32bit_program(pid) {
+        return refused(RemoteRefusal::Compat);
+    }
+    choose_thread(pid).map(drop)
 }
 
 /// Finds a `syscall` instruction (0f 05) in the process's vDSO.
@@ -255,32 +440,175 @@ fn vdso_syscall_instruction(pid: u32) -> Result<u64, RemoteError> {
         })
 }
 
+/// `PTRACE_GETSIGMASK` / `PTRACE_SETSIGMASK` (linux/ptrace.h).
+const PTRACE_GETSIGMASK: libc::c_uint = 0x420a;
+const PTRACE_SETSIGMASK: libc::c_uint = 0x420b;
+
+fn sigmask(tid: Pid, set: Option<u64>) -> nix::Result<u64> {
+    let (request, mut mask) = match set {
+        Some(mask) => (PTRACE_SETSIGMASK, mask),
+        None => (PTRACE_GETSIGMASK, 0u64),
+    };
+    // SAFETY: both requests take the size of a kernel sigset_t (8 bytes on x86_64) and a
+    // pointer to one, which `mask` is; the kernel reads or writes exactly that.
+    let r = unsafe {
+        libc::ptrace(
+            request,
+            tid.as_raw(),
+            std::mem::size_of::<u64>(),
+            &mut mask as *mut u64,
+        )
+    };
+    Errno::result(r).map(|_| mask)
+}
+
+/// A thread seized but not stopped in time, or stopped mid-call when time ran out: let go
+/// (with what it had restored) as soon as it stops.
+struct Lingering {
+    /// The rksm thread that traces it (only that thread can wait for it).
+    tracer: libc::pid_t,
+    tid: Pid,
+    restore: Option<(arch::Regs, Option<u64>)>,
+}
+
+static LINGERING: Mutex<Vec<Lingering>> = Mutex::new(Vec::new());
+
+fn gettid() -> libc::pid_t {
+    // SAFETY: gettid takes nothing and cannot fail.
+    unsafe { libc::gettid() }
+}
+
+/// Lets go of threads that stopped since they were given up; returns how many are still
+/// waited for. The daemon calls it before every borrow and while it sleeps between passes.
+pub fn reap_lingering() -> usize {
+    let me = gettid();
+    let mut lingering = LINGERING.lock().unwrap_or_else(|e| e.into_inner());
+    lingering.retain(|l| {
+        if l.tracer != me {
+            return true;
+        }
+        let signal = match poll_stop(l.tid) {
+            Ok(None) => return true,
+            Ok(Some(Stop::Signal(sig))) if sig != libc::SIGTRAP => sig,
+            Ok(Some(Stop::Signal(_) | Stop::Interrupted(_) | Stop::Event)) => 0,
+            Ok(Some(Stop::Gone)) | Err(_) => return false,
+        };
+        if let Some((regs, mask)) = l.restore {
+            if let Some(mask) = mask {
+                let _ = sigmask(l.tid, Some(mask));
+            }
+            let _ = arch::set(l.tid, regs);
+        }
+        // From a signal-delivery stop, detaching with the signal delivers it as it came.
+        let _ = resume_with(libc::PTRACE_DETACH, l.tid, signal);
+        log::info!("thread {} stopped after all and was let go", l.tid);
+        false
+    });
+    lingering.len()
+}
+
+/// What `waitpid` said about a traced thread. Decoded here rather than by nix, whose
+/// `Signal` has no real-time signals: a thread stopped for SIGRTMIN must still be understood.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    /// A signal-delivery stop (the single step's is SIGTRAP).
+    Signal(i32),
+    /// `PTRACE_EVENT_STOP`: the interrupt's (SIGTRAP) or a group stop (the stop signal).
+    Interrupted(i32),
+    /// Another ptrace event (none is asked for).
+    Event,
+    /// Exited or killed.
+    Gone,
+}
+
+/// Waits without blocking for `tid`'s next stop.
+fn poll_stop(tid: Pid) -> Result<Option<Stop>, Errno> {
+    let mut status = 0;
+    // SAFETY: waitpid writes one int, `status`.
+    let r = unsafe { libc::waitpid(tid.as_raw(), &mut status, libc::WNOHANG | libc::__WALL) };
+    match r {
+        0 => Ok(None),
+        r if r < 0 => match Errno::last() {
+            Errno::EINTR => Ok(None),
+            Errno::ECHILD | Errno::ESRCH => Ok(Some(Stop::Gone)),
+            errno => Err(errno),
+        },
+        _ if libc::WIFEXITED(status) || libc::WIFSIGNALED(status) => Ok(Some(Stop::Gone)),
+        _ if libc::WIFSTOPPED(status) => {
+            let sig = libc::WSTOPSIG(status);
+            Ok(Some(match status >> 16 {
+                0 => Stop::Signal(sig),
+                libc::PTRACE_EVENT_STOP => Stop::Interrupted(sig),
+                _ => Stop::Event,
+            }))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// Polls for `tid`'s next stop until `deadline` (`Ok(None)`: it did not come), sleeping a
+/// little longer each time nothing happened.
+fn wait_until(tid: Pid, deadline: Instant) -> Result<Option<Stop>, Errno> {
+    let mut pause = Duration::from_micros(20);
+    loop {
+        if let Some(stop) = poll_stop(tid)? {
+            return Ok(Some(stop));
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Ok(None);
+        }
+        std::thread::sleep(pause.min(deadline - now));
+        pause = (pause * 2).min(Duration::from_millis(2));
+    }
+}
+
+/// Resumes (`PTRACE_CONT`) or lets go of (`PTRACE_DETACH`) `tid` delivering `signal`, any
+/// signal, real-time ones too (its siginfo is the one it came with).
+fn resume_with(request: libc::c_uint, tid: Pid, signal: i32) -> nix::Result<()> {
+    // SAFETY: PTRACE_CONT and PTRACE_DETACH take the signal number as data, no pointer.
+    let r = unsafe {
+        libc::ptrace(
+            request,
+            tid.as_raw(),
+            std::ptr::null_mut::<libc::c_void>(),
+            signal as libc::c_long,
+        )
+    };
+    Errno::result(r).map(drop)
+}
+
 /// One thread of a target, stopped and borrowed for system calls. Dropping the session
-/// restores the thread's registers and lets it go; [`RemoteSession::finish`] does the same
-/// and reports errors.
+/// restores the thread's registers and signal mask and lets it go;
+/// [`RemoteSession::finish`] does the same and reports errors.
 pub struct RemoteSession {
     pid: u32,
     tid: Pid,
     /// The thread's registers when it stopped; `None` until they were read, and then nothing
     /// is written back.
     saved: Option<arch::Regs>,
+    /// Its signal mask when it stopped; `None` until it was read and replaced.
+    saved_mask: Option<u64>,
     syscall_at: u64,
-    /// Signals that arrived while we held the thread, to hand back when we let it go.
-    pending: Vec<Signal>,
+    /// A SIGSTOP (which no mask blocks) came while the thread was held: sent again when it
+    /// is let go. It carries nothing that resending loses.
+    stop_signal: bool,
     calls: u64,
     released: bool,
 }
 
 impl RemoteSession {
-    /// Stops one thread of `process` (its main thread) and saves its registers.
+    /// Stops one thread of `process` (the least disturbed, see the module documentation),
+    /// saves its registers and blocks its signals.
     pub fn begin(process: &Process) -> Result<Self, RemoteError> {
         if !cfg!(target_arch = "x86_64") {
             return Err(RemoteError::Unsupported);
         }
         let pid = process.pid();
+        reap_lingering();
         check_borrowable(pid)?;
+        let tid = choose_thread(pid)?;
         let syscall_at = vdso_syscall_instruction(pid)?;
-        let tid = Pid::from_raw(pid as i32);
         let ptrace_err = |op| {
             move |errno| match errno {
                 Errno::ESRCH => RemoteError::Gone(pid),
@@ -294,8 +622,9 @@ impl RemoteSession {
             pid,
             tid,
             saved: None,
+            saved_mask: None,
             syscall_at,
-            pending: Vec::new(),
+            stop_signal: false,
             calls: 0,
             released: false,
         };
@@ -304,15 +633,64 @@ impl RemoteSession {
             let _ = ptrace::detach(tid, None);
             return Err(ptrace_err("interrupt")(errno));
         }
-        session.wait_for_stop(false)?;
-        session.saved = Some(arch::get(tid).map_err(ptrace_err("getregs"))?);
+        session.wait_for_interrupt()?;
+        // Stopped: is it still the process that was opened, running the same program?
+        if process.has_exited() {
+            session.release()?;
+            return Err(RemoteError::Gone(pid));
+        }
+        let regs = arch::get(tid).map_err(ptrace_err("getregs"))?;
+        if !arch::is_64bit(&regs) {
+            session.release()?;
+            return Err(RemoteError::Refused {
+                pid,
+                reason: RemoteRefusal::Compat,
+            });
+        }
+        let mask = sigmask(tid, None).map_err(ptrace_err("getsigmask"))?;
+        sigmask(tid, Some(!0)).map_err(ptrace_err("setsigmask"))?;
+        session.saved_mask = Some(mask);
+        session.saved = Some(regs);
         // Stopped, the thread can no longer exec; but it may have before we stopped it, and
         // then the vDSO address and every address the caller scanned are stale.
         if process.has_new_image() {
             session.release()?;
             return Err(RemoteError::NewImage(pid));
         }
+        session.settle_interrupted_call();
         Ok(session)
+    }
+
+    /// If the interrupt cut a call short with EINTR: an `epoll_wait` with no timeout is
+    /// entered again when the thread is let go (it would have gone on waiting: nothing
+    /// changes for it), anything else is counted in [`eintr_risk`].
+    fn settle_interrupted_call(&mut self) {
+        let Some(regs) = self.saved.as_mut() else {
+            return;
+        };
+        let (nr, result) = arch::interrupted_call(regs);
+        if result != -i64::from(libc::EINTR) || nr < 0 {
+            return;
+        }
+        let mut code = [0u8; 2];
+        let site = arch::call_site(regs);
+        let is_syscall = ProcMem::open(self.pid)
+            .is_ok_and(|mem| mem.read_at(site, &mut code) && code == arch::SYSCALL);
+        let timeout = arch::arg4(regs);
+        let waits_forever = match nr {
+            libc::SYS_epoll_wait | libc::SYS_epoll_pwait => (timeout as i32) < 0,
+            libc::SYS_epoll_pwait2 => timeout == 0,
+            _ => false,
+        };
+        if is_syscall && waits_forever {
+            arch::restart(regs);
+        } else {
+            EINTR_RISK.fetch_add(1, Ordering::Relaxed);
+            log::debug!(
+                "pid {}: a borrow interrupted call {nr} with EINTR",
+                self.pid
+            );
+        }
     }
 
     /// The process whose thread is borrowed.
@@ -339,65 +717,94 @@ impl RemoteSession {
         let mut a = [0u64; 6];
         a[..args.len()].copy_from_slice(args);
         let regs = arch::call(saved, self.syscall_at, number, a);
-        loop {
+        for _ in 0..CALL_ATTEMPTS {
             arch::set(self.tid, regs).map_err(err("setregs"))?;
             ptrace::step(self.tid, None).map_err(err("singlestep"))?;
-            self.wait_for_stop(true)?;
+            self.wait_for_step()?;
             let after = arch::get(self.tid).map_err(err("getregs"))?;
-            if let Some(result) = arch::result(&after, self.syscall_at) {
+            if let Some(result) = arch::result(&after, self.syscall_at, number) {
                 self.calls += 1;
                 return Ok(result);
             }
         }
+        Err(RemoteError::Unsettled(pid))
     }
 
-    /// Waits for the borrowed thread's next stop. Signals that arrive meanwhile are kept to
-    /// be delivered at the end; `stepping` means a SIGTRAP is our single-step.
-    fn wait_for_stop(&mut self, stepping: bool) -> Result<(), RemoteError> {
+    /// Gives the thread up: it did not stop by `deadline`. It is let go, with what was
+    /// changed put back, when it does ([`reap_lingering`]).
+    fn linger(&mut self, deadline: Duration) -> RemoteError {
+        self.released = true;
+        let restore = self.saved.map(|regs| (regs, self.saved_mask));
+        LINGERING
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Lingering {
+                tracer: gettid(),
+                tid: self.tid,
+                restore,
+            });
+        RemoteError::NoStop {
+            pid: self.pid,
+            tid: self.tid.as_raw(),
+            deadline,
+        }
+    }
+
+    fn gone(&mut self) -> RemoteError {
+        self.released = true;
+        RemoteError::Gone(self.pid)
+    }
+
+    /// Waits for the interrupt's stop. A signal that arrives first is handed back at once
+    /// with its siginfo, as compel does; a job-control stop means the process is being
+    /// stopped, and it is left to it.
+    fn wait_for_interrupt(&mut self) -> Result<(), RemoteError> {
+        let deadline = Instant::now() + STOP_DEADLINE;
+        let ptrace_err = |pid, op, errno| RemoteError::Ptrace { pid, op, errno };
         loop {
-            match waitpid(self.tid, Some(WaitPidFlag::__WALL)) {
-                Ok(WaitStatus::Stopped(_, Signal::SIGTRAP)) if stepping => return Ok(()),
-                Ok(WaitStatus::PtraceEvent(..)) if !stepping => return Ok(()),
-                Ok(WaitStatus::Stopped(_, sig)) => {
-                    // A signal-delivery stop: hold the signal back for now.
-                    self.pending.push(sig);
-                    if !stepping {
-                        // The interrupt's own stop still comes; keep the thread moving to it.
-                        ptrace::cont(self.tid, None).map_err(|errno| RemoteError::Ptrace {
-                            pid: self.pid,
-                            op: "cont",
-                            errno,
-                        })?;
-                        continue;
-                    }
-                    return Ok(());
-                }
-                Ok(WaitStatus::PtraceEvent(..)) => {
-                    ptrace::step(self.tid, None).map_err(|errno| RemoteError::Ptrace {
+            match wait_until(self.tid, deadline).map_err(|e| ptrace_err(self.pid, "waitpid", e))? {
+                None => return Err(self.linger(STOP_DEADLINE)),
+                Some(Stop::Interrupted(libc::SIGTRAP)) => return Ok(()),
+                Some(Stop::Interrupted(_)) => {
+                    // A group stop (SIGSTOP, SIGTSTP): detaching leaves it stopped, as
+                    // job control wants.
+                    self.release()?;
+                    return Err(RemoteError::Refused {
                         pid: self.pid,
-                        op: "singlestep",
-                        errno,
-                    })?;
+                        reason: RemoteRefusal::Stopped,
+                    });
                 }
-                Ok(WaitStatus::Exited(..) | WaitStatus::Signaled(..))
-                | Err(Errno::ECHILD | Errno::ESRCH) => {
-                    self.released = true;
-                    return Err(RemoteError::Gone(self.pid));
+                Some(Stop::Signal(sig)) => resume_with(libc::PTRACE_CONT, self.tid, sig)
+                    .map_err(|e| ptrace_err(self.pid, "cont", e))?,
+                Some(Stop::Event) => {
+                    ptrace::cont(self.tid, None).map_err(|e| ptrace_err(self.pid, "cont", e))?
                 }
-                Ok(_) => {}
-                Err(Errno::EINTR) => {}
-                Err(errno) => {
-                    return Err(RemoteError::Ptrace {
-                        pid: self.pid,
-                        op: "waitpid",
-                        errno,
-                    })
-                }
+                Some(Stop::Gone) => return Err(self.gone()),
             }
         }
     }
 
-    /// Restores the registers, lets the thread go, and re-delivers held signals.
+    /// Waits for the single step's stop. Every signal is blocked; one that cannot be (a
+    /// SIGSTOP) is kept to be sent again, and the caller sees the call did not complete.
+    fn wait_for_step(&mut self) -> Result<(), RemoteError> {
+        let deadline = Instant::now() + CALL_DEADLINE;
+        let stop = wait_until(self.tid, deadline).map_err(|errno| RemoteError::Ptrace {
+            pid: self.pid,
+            op: "waitpid",
+            errno,
+        })?;
+        match stop {
+            None => Err(self.linger(CALL_DEADLINE)),
+            Some(Stop::Gone) => Err(self.gone()),
+            Some(Stop::Signal(libc::SIGSTOP)) => {
+                self.stop_signal = true;
+                Ok(())
+            }
+            Some(_) => Ok(()),
+        }
+    }
+
+    /// Restores the registers and signal mask and lets the thread go.
     pub fn finish(mut self) -> Result<u64, RemoteError> {
         self.release()?;
         Ok(self.calls)
@@ -419,21 +826,25 @@ impl RemoteSession {
             Some(saved) => arch::set(self.tid, saved).map_err(err("setregs")),
             None => Ok(()),
         };
+        let unmasked = match self.saved_mask {
+            Some(mask) => sigmask(self.tid, Some(mask))
+                .map(drop)
+                .map_err(err("setsigmask")),
+            None => Ok(()),
+        };
         let detached = ptrace::detach(self.tid, None).map_err(err("detach"));
-        // Signals held back while we had the thread go to the same thread now; a detach
-        // from an event stop would drop a signal passed to it.
-        for &sig in &self.pending {
+        if self.stop_signal {
             // SAFETY: tgkill takes plain integers.
             unsafe {
                 libc::syscall(
                     libc::SYS_tgkill,
                     self.pid as i32,
                     self.tid.as_raw(),
-                    sig as i32,
+                    libc::SIGSTOP,
                 )
             };
         }
-        restored.and(detached)
+        restored.and(unmasked).and(detached)
     }
 }
 
@@ -484,10 +895,32 @@ mod tests {
             refusal(status(0, 0, "t (tracing stop)")),
             Some(RemoteRefusal::Stopped)
         );
-        assert_eq!(
-            refusal(status(0, 0, "D (disk sleep)")),
-            Some(RemoteRefusal::UninterruptibleSleep)
-        );
+        // A disk wait is one thread's: another may be borrowed (see `disturbance`).
+        assert_eq!(refusal(status(0, 0, "D (disk sleep)")), None);
         assert_eq!(BorrowStatus::parse("Name:\tx\n"), None);
+    }
+
+    #[test]
+    fn the_least_disturbed_thread_comes_first() {
+        let epoll = format!(
+            "{} 0x3 0x7ffd 0x40 0xffffffff 0x0 0x0 0x7ffd 0x7f00",
+            libc::SYS_epoll_wait
+        );
+        let nanosleep = format!(
+            "{} 0x0 0x0 0x7ffd 0x0 0x0 0x0 0x7ffd 0x7f00",
+            libc::SYS_clock_nanosleep
+        );
+        let running = disturbance('R', "running").unwrap();
+        let restartable = disturbance('S', &nanosleep).unwrap();
+        let eintr = disturbance('S', &epoll).unwrap();
+        assert!(running < restartable && restartable < eintr);
+        assert_eq!(
+            disturbance('S', "-1 0x7ffd 0x7f00"),
+            Some(restartable),
+            "outside a call"
+        );
+        for unusable in ['D', 'T', 't', 'Z', 'X'] {
+            assert_eq!(disturbance(unusable, &nanosleep), None, "{unusable}");
+        }
     }
 }

@@ -211,7 +211,7 @@ pub fn render_metrics(status: &Status) -> String {
         )],
     );
     let last = status.last_pass.as_ref();
-    let daemon_wide: [(&str, &str, &str, f64); 10] = [
+    let daemon_wide: [(&str, &str, &str, f64); 11] = [
         (
             "full_scans",
             "counter",
@@ -265,6 +265,12 @@ pub fn render_metrics(status: &Status) -> String {
             "counter",
             "System calls made inside targets.",
             c.remote_syscalls as f64,
+        ),
+        (
+            "eintr_risk",
+            "counter",
+            "Borrows that may have made a target see EINTR.",
+            c.eintr_risk as f64,
         ),
         (
             "regions_backed_off",

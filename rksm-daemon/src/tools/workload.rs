@@ -41,6 +41,11 @@ pub struct Profile {
     /// pages copy-on-write. Off in the built-in profiles; the torture test turns it on.
     #[serde(default)]
     pub volatile_identical: bool,
+    /// Non-zero: each process is a qemu guest with this much RAM ([`crate::tools::guest`]),
+    /// which marks all of it mergeable itself and fills `duplicate_mib` and `unique_mib` of
+    /// it; the other sizes must then be zero.
+    #[serde(default)]
+    pub guest_ram_mib: u64,
 }
 
 impl Profile {
@@ -56,6 +61,7 @@ impl Profile {
             same_value_percent: 50,
             fork_mib: 16,
             volatile_identical: false,
+            guest_ram_mib: 0,
         };
         match name {
             // Small enough that every configuration runs in seconds.
@@ -96,8 +102,36 @@ impl Profile {
                 fork_mib: 64,
                 ..base
             }),
+            // Three qemu guests (TCG) that mark their own RAM mergeable: issue 12's guests.
+            "guests" => Some(Profile {
+                processes: 3,
+                duplicate_mib: 128,
+                zero_mib: 0,
+                unique_mib: 128,
+                volatile_mib: 0,
+                volatile_pages_per_sec: 0,
+                same_value_percent: 0,
+                fork_mib: 0,
+                guest_ram_mib: 384,
+                ..base
+            }),
             _ => None,
         }
+    }
+
+    /// True if the processes are qemu guests.
+    pub fn is_guests(&self) -> bool {
+        self.guest_ram_mib > 0
+    }
+
+    /// Pages ksmd sweeps when everything is marked mergeable.
+    pub fn mergeable_pages(&self) -> u64 {
+        let per_process = if self.is_guests() {
+            self.guest_ram_mib
+        } else {
+            self.duplicate_mib + self.zero_mib + self.unique_mib + self.volatile_mib + self.fork_mib
+        };
+        u64::from(self.processes) * 256 * per_process
     }
 
     /// The named profile, or a JSON file with every field.
@@ -106,13 +140,21 @@ impl Profile {
             return Ok(profile);
         }
         let text = std::fs::read_to_string(name_or_file).map_err(|e| {
-            format!("`{name_or_file}` is neither a profile name (quick, static, mixed, static-4g, large) nor a readable file: {e}")
+            format!("`{name_or_file}` is neither a profile name (quick, static, mixed, static-4g, large, guests) nor a readable file: {e}")
         })?;
         let profile: Profile =
             serde_json::from_str(&text).map_err(|e| format!("{name_or_file}: {e}"))?;
         if profile.processes == 0 || profile.same_value_percent > 100 {
             return Err(format!(
                 "{name_or_file}: processes must be at least 1 and same_value_percent at most 100"
+            ));
+        }
+        if profile.is_guests()
+            && (profile.zero_mib + profile.volatile_mib + profile.fork_mib > 0
+                || profile.duplicate_mib + profile.unique_mib + 64 > profile.guest_ram_mib)
+        {
+            return Err(format!(
+                "{name_or_file}: a guest profile has only duplicate_mib and unique_mib, and leaves the guest kernel 64 MiB of guest_ram_mib"
             ));
         }
         Ok(profile)
@@ -393,7 +435,7 @@ mod tests {
 
     #[test]
     fn named_profiles_exist_and_files_are_checked() {
-        for name in ["quick", "static", "mixed", "static-4g", "large"] {
+        for name in ["quick", "static", "mixed", "static-4g", "large", "guests"] {
             assert!(Profile::named(name).is_some(), "{name}");
         }
         assert!(Profile::load("no-such-profile")
@@ -430,6 +472,7 @@ mod tests {
             same_value_percent: 0,
             fork_mib: 5,
             volatile_identical: false,
+            guest_ram_mib: 0,
         };
         // 256 duplicate pages x 3 extra copies; 1024 zero pages sharing ceil(1024/256) = 4 KSM pages.
         assert_eq!(p.achievable_sharing(256), 256 * 3 + 1020);
