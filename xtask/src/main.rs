@@ -58,7 +58,8 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<OsString>,
     },
-    /// Run the benchmarks (as root): checksums per page (criterion) and scan throughput.
+    /// Run the benchmarks (as root): checksums per page (criterion), scan throughput, and
+    /// what borrowing a thread costs.
     Bench {
         /// Only the checksum benchmark (seconds instead of minutes).
         #[arg(long)]
@@ -66,7 +67,7 @@ enum Cmd {
     },
     /// Build, check formatting and lints, and run every test (as root).
     Test {
-        /// Leave out the suites that take minutes (bench, torture); CI runs them all.
+        /// Leave out the suites that take minutes (bench, torture, programs); CI runs them all.
         #[arg(long)]
         quick: bool,
         /// Extra arguments for `cargo test` (a filter, `--nocapture`, ...).
@@ -86,7 +87,7 @@ enum Cmd {
 }
 
 /// Test suites that take minutes; `cargo xtask test --quick` leaves them out.
-const SLOW_SUITES: &[&str] = &["bench", "torture"];
+const SLOW_SUITES: &[&str] = &["bench", "torture", "programs"];
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -575,10 +576,13 @@ fn test(quick: bool, args: Vec<OsString>) -> Result<()> {
             .env("RKSM_EBPF_OBJECT", ebpf_object()),
     )
     .context("clippy")?;
+    // The qemu guests of the `programs` suite boot this.
+    let guest = guest_image()?;
     let test = || {
         let mut test = cargo();
         test.args(["test", "--workspace", "--release"])
-            .env("RKSM_EBPF_OBJECT", ebpf_object());
+            .env("RKSM_EBPF_OBJECT", ebpf_object())
+            .env("RKSM_GUEST_INITRD", &guest);
         test
     };
     let mut runs = Vec::new();
@@ -747,6 +751,11 @@ fn bench(checksums_only: bool) -> Result<()> {
     run_checked(
         cargo()
             .args(["bench", "-p", "rksm", "--bench", "scan"])
+            .env("RKSM_EBPF_OBJECT", ebpf_object()),
+    )?;
+    run_checked(
+        cargo()
+            .args(["bench", "-p", "rksm", "--bench", "borrow"])
             .env("RKSM_EBPF_OBJECT", ebpf_object()),
     )
 }

@@ -169,6 +169,9 @@ pub struct DaemonStats {
     /// kernel does not restart, and rksm could not restart it either.
     #[serde(default)]
     pub eintr_risk: u64,
+    /// Threads of targets borrowed (stopped for remote system calls and let go).
+    #[serde(default)]
+    pub borrows: u64,
     /// Targets refused, by reason.
     pub targets_refused: BTreeMap<String, u64>,
     /// The dirty mode in use.
@@ -304,8 +307,10 @@ pub struct Daemon {
     marking_syscalls: u64,
     /// A pass was cut short by [`Daemon::stop_on`]'s signal.
     stopping: bool,
-    /// [`remote::eintr_risk`] when the daemon started (the counter is process-wide).
+    /// [`remote::eintr_risk`] and [`remote::borrows`] when the daemon started (the counters
+    /// are process-wide).
     eintr_risk_at_start: u64,
+    borrows_at_start: u64,
     /// ksmd is paced to the marked set until its `full_scans` reaches this.
     ksmd_busy_until: u64,
     /// Work found since ksmd was last set going, not yet worth a sweep of its own.
@@ -377,6 +382,7 @@ impl Daemon {
             },
             marking_syscalls: 0,
             eintr_risk_at_start: remote::eintr_risk(),
+            borrows_at_start: remote::borrows(),
             stopping: false,
             ksmd_busy_until: 0,
             ksmd_backlog: KsmdBacklog::default(),
@@ -760,6 +766,7 @@ impl Daemon {
         s.checksum_ns += report.total.checksum_ns;
         s.remote_syscalls = self.marking_syscalls + self.scanner.dirty_remote_syscalls();
         s.eintr_risk = remote::eintr_risk() - self.eintr_risk_at_start;
+        s.borrows = remote::borrows() - self.borrows_at_start;
         s.regions_backed_off = self
             .targets
             .values()

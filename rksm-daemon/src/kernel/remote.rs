@@ -67,9 +67,17 @@ const CALL_ATTEMPTS: u32 = 4;
 /// restart: the target may have noticed. Process-wide, like the kernel's counters.
 static EINTR_RISK: AtomicU64 = AtomicU64::new(0);
 
+/// Threads borrowed (stopped and let go again), process-wide.
+static BORROWS: AtomicU64 = AtomicU64::new(0);
+
 /// Borrows that may have made a target see EINTR (see the module documentation).
 pub fn eintr_risk() -> u64 {
     EINTR_RISK.load(Ordering::Relaxed)
+}
+
+/// Threads borrowed so far by this process.
+pub fn borrows() -> u64 {
+    BORROWS.load(Ordering::Relaxed)
 }
 
 /// The registers of a borrowed thread, and how a system call is made with them. Only x86_64
@@ -634,6 +642,7 @@ impl RemoteSession {
             return Err(ptrace_err("interrupt")(errno));
         }
         session.wait_for_interrupt()?;
+        BORROWS.fetch_add(1, Ordering::Relaxed);
         // Stopped: is it still the process that was opened, running the same program?
         if process.has_exited() {
             session.release()?;

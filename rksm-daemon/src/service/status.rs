@@ -211,7 +211,7 @@ pub fn render_metrics(status: &Status) -> String {
         )],
     );
     let last = status.last_pass.as_ref();
-    let daemon_wide: [(&str, &str, &str, f64); 11] = [
+    let daemon_wide: [(&str, &str, &str, f64); 12] = [
         (
             "full_scans",
             "counter",
@@ -265,6 +265,12 @@ pub fn render_metrics(status: &Status) -> String {
             "counter",
             "System calls made inside targets.",
             c.remote_syscalls as f64,
+        ),
+        (
+            "borrows",
+            "counter",
+            "Threads of targets stopped for remote system calls and let go.",
+            c.borrows as f64,
         ),
         (
             "eintr_risk",
