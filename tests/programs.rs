@@ -542,8 +542,14 @@ fn an_idle_event_loop_sees_no_eintr_and_queued_signals_arrive_intact() {
     assert_eq!(stats["eintr_risk"].as_u64(), Some(0), "{stats}");
 }
 
-#[test]
-fn a_process_stuck_in_a_vfork_wait_does_not_hold_the_daemon_up() {
+/// Blocks `stuck` in the kernel with `block`, checks the daemon's passes go on while it is
+/// (the target is refused for those passes), then lets it go with `unblock` and checks it
+/// is intact and untraced.
+fn stuck_target_does_not_hold_the_daemon_up(
+    block: impl FnOnce(&mut TestChild),
+    unblock: impl FnOnce(),
+    answer: &str,
+) {
     require_root();
     let _turn = ksm_turn();
     let mut stuck = TestChild::spawn();
@@ -552,21 +558,21 @@ fn a_process_stuck_in_a_vfork_wait_does_not_hold_the_daemon_up() {
     let pid = stuck.pid_from_proc();
     let daemon = Daemon::pids(&[pid]);
     assert!(wait_for(Duration::from_secs(10), || daemon.passes() >= 1));
-    stuck.send("vfork 4000");
+    block(&mut stuck);
     assert!(wait_for(Duration::from_secs(5), || proc_status(
         pid, "State:"
     )
     .starts_with('D')));
     let before = daemon.passes();
+    let went_on = wait_for(Duration::from_secs(3), || daemon.passes() >= before + 3);
+    let still_stuck = proc_status(pid, "State:").starts_with('D');
+    unblock();
     assert!(
-        wait_for(Duration::from_secs(3), || daemon.passes() >= before + 3),
-        "passes stopped while the target was in its vfork wait"
+        went_on,
+        "passes stopped while the target was stuck in the kernel"
     );
-    assert!(
-        proc_status(pid, "State:").starts_with('D'),
-        "the wait ended early"
-    );
-    assert_eq!(stuck.reply(), "vforked");
+    assert!(still_stuck, "the wait ended early");
+    assert!(stuck.reply().starts_with(answer));
     let stats = daemon.stop();
     assert!(
         stats["targets_refused"]["uninterruptible_sleep"].as_u64() >= Some(1),
@@ -574,4 +580,81 @@ fn a_process_stuck_in_a_vfork_wait_does_not_hold_the_daemon_up() {
     );
     assert!(stuck.verify(region, 0, 64, 3));
     assert_eq!(proc_status(pid, "TracerPid:"), "0");
+}
+
+#[test]
+fn a_process_stuck_in_a_vfork_wait_does_not_hold_the_daemon_up() {
+    stuck_target_does_not_hold_the_daemon_up(|child| child.send("vfork 4000"), || {}, "vforked");
+}
+
+/// A FUSE file system whose server never answers (it never reads /dev/fuse): every access
+/// waits in the kernel, killable only, until the connection is aborted when dropped.
+struct DeadFuse {
+    dir: PathBuf,
+    device: Option<std::fs::File>,
+}
+
+impl DeadFuse {
+    fn mount() -> DeadFuse {
+        use std::os::fd::AsRawFd;
+        let dir = std::env::temp_dir().join(format!("rksm-fuse-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let device = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/fuse")
+            .expect("/dev/fuse");
+        let options = format!(
+            "fd={},rootmode=40000,user_id=0,group_id=0",
+            device.as_raw_fd()
+        );
+        let c = |s: &str| std::ffi::CString::new(s).unwrap();
+        let (source, target, fstype, data) = (
+            c("rksm-dead"),
+            c(dir.to_str().unwrap()),
+            c("fuse"),
+            c(&options),
+        );
+        // SAFETY: mount(2) with NUL-terminated strings that outlive the call.
+        let r = unsafe {
+            libc::mount(
+                source.as_ptr(),
+                target.as_ptr(),
+                fstype.as_ptr(),
+                libc::MS_NOSUID | libc::MS_NODEV,
+                data.as_ptr() as *const libc::c_void,
+            )
+        };
+        assert_eq!(r, 0, "mount fuse: {}", std::io::Error::last_os_error());
+        DeadFuse {
+            dir,
+            device: Some(device),
+        }
+    }
+
+    /// Aborts the connection (closing the device): waiting requests fail with ENOTCONN.
+    fn abort(&mut self) {
+        self.device.take();
+    }
+}
+
+impl Drop for DeadFuse {
+    fn drop(&mut self) {
+        self.abort();
+        let target = std::ffi::CString::new(self.dir.to_str().unwrap()).unwrap();
+        // SAFETY: umount2 with a NUL-terminated path.
+        unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+#[test]
+fn a_process_stuck_on_an_unanswered_fuse_request_does_not_hold_the_daemon_up() {
+    let fuse = std::cell::RefCell::new(DeadFuse::mount());
+    let path = fuse.borrow().dir.join("anything");
+    stuck_target_does_not_hold_the_daemon_up(
+        |child| child.send(&format!("stat {}", path.display())),
+        || fuse.borrow_mut().abort(),
+        "stat error",
+    );
 }

@@ -381,3 +381,81 @@ fn init_non_dumpable_and_set_id_processes_are_off_limits() {
     );
     assert_eq!(refusal(setuid.pid_from_proc()), Some(RefusalReason::SetId));
 }
+
+/// A 32-bit (i386) program of 93 bytes that loops in `pause()` through `int 0x80`: a
+/// compat-mode process, where `syscall` and the call numbers mean something else.
+fn compat_program() -> std::path::PathBuf {
+    const BASE: u32 = 0x0804_8000;
+    // mov eax, 29 (pause); int 0x80; jmp back to the mov.
+    let code = [0xb8, 0x1d, 0, 0, 0, 0xcd, 0x80, 0xeb, 0xf7];
+    let total = (52 + 32 + code.len()) as u32;
+    let mut elf = b"\x7fELF\x01\x01\x01".to_vec();
+    elf.resize(16, 0);
+    for (v, size) in [
+        (2, 2),         // e_type: executable
+        (3, 2),         // e_machine: i386
+        (1, 4),         // e_version
+        (BASE + 84, 4), // e_entry: the code, after both headers
+        (52, 4),        // e_phoff
+        (0, 4),         // e_shoff
+        (0, 4),         // e_flags
+        (52, 2),        // e_ehsize
+        (32, 2),        // e_phentsize
+        (1, 2),         // e_phnum
+        (0, 2),         // e_shentsize
+        (0, 2),         // e_shnum
+        (0, 2),         // e_shstrndx
+        (1, 4),         // p_type: PT_LOAD
+        (0, 4),         // p_offset
+        (BASE, 4),      // p_vaddr
+        (BASE, 4),      // p_paddr
+        (total, 4),     // p_filesz
+        (total, 4),     // p_memsz
+        (5, 4),         // p_flags: read, execute
+        (0x1000, 4),    // p_align
+    ] {
+        elf.extend_from_slice(&u32::to_le_bytes(v)[..size]);
+    }
+    elf.extend_from_slice(&code);
+    let path = std::env::temp_dir().join(format!("rksm-compat-{}", std::process::id()));
+    std::fs::write(&path, &elf).unwrap();
+    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    path
+}
+
+#[test]
+fn a_32bit_process_is_refused_untouched() {
+    require_root();
+    let program = compat_program();
+    // Another test's fork may hold the file open for writing for a moment (ETXTBSY).
+    let mut spawned = None;
+    assert!(wait_for(Duration::from_secs(5), || {
+        spawned = std::process::Command::new(&program).spawn().ok();
+        spawned.is_some()
+    }));
+    let mut child = spawned.unwrap();
+    let pid = child.id();
+    assert!(
+        wait_for(Duration::from_secs(5), || blocked_syscall(pid)
+            .starts_with("29 ")),
+        "the 32-bit program did not start: {}",
+        blocked_syscall(pid)
+    );
+    let refused = RemoteSession::begin(&Process::open(pid).unwrap());
+    assert!(
+        matches!(
+            refused,
+            Err(RemoteError::Refused {
+                reason: RemoteRefusal::Compat,
+                ..
+            })
+        ),
+        "{:?}",
+        refused.map(|_| ())
+    );
+    assert_eq!(proc_status(pid, "TracerPid:"), "0");
+    assert!(blocked_syscall(pid).starts_with("29 "), "it was disturbed");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    std::fs::remove_file(program).unwrap();
+}

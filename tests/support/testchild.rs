@@ -31,6 +31,8 @@
 //!   waiting up to 60 s for all of them.
 //! - `vfork MS` → `vforked`: vforks a child that sleeps MS ms, then exits: until then the
 //!   (single) thread is in the kernel's vfork wait.
+//! - `stat PATH` → `stat ok` or `stat error ...`: a `stat(2)` of PATH (on a FUSE mount whose
+//!   server never answers, the thread waits in the kernel until the connection is aborted).
 //! - `nodump` → `ok`: `prctl(PR_SET_DUMPABLE, 0)`, as ssh-agent does.
 //! - `setids` → `ok`: sets its effective uid to nobody's, keeping real and saved (as a set-uid
 //!   program's ids differ).
@@ -410,6 +412,13 @@ fn run(line: &str, regions: &mut Vec<Region>) -> Result<String, String> {
             // SAFETY: reaps the child just made.
             unsafe { libc::waitpid(child, std::ptr::null_mut(), 0) };
             Ok("vforked".into())
+        }
+        Some("stat") => {
+            let path = words.get(1).ok_or("stat PATH")?;
+            Ok(match std::fs::metadata(path) {
+                Ok(_) => "stat ok".into(),
+                Err(e) => format!("stat error {e}"),
+            })
         }
         Some("nodump") => {
             // SAFETY: prctl with integer arguments.

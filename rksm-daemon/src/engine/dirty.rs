@@ -174,8 +174,17 @@ fn armed<'s>(
             });
         *arming = match armed {
             Ok(armed) => Arming::Armed(armed),
-            // Exited or exec'd since it was opened: the next pass sees to it.
-            Err(ArmError::Remote(RemoteError::Gone(_) | RemoteError::NewImage(_))) => return None,
+            // Exited or exec'd since it was opened: the next pass sees to it. A thread that
+            // did not stop in time, or a passing reason to refuse: the next pass tries again.
+            Err(ArmError::Remote(
+                RemoteError::Gone(_)
+                | RemoteError::NewImage(_)
+                | RemoteError::NoStop { .. }
+                | RemoteError::Unsettled(_),
+            )) => return None,
+            Err(ArmError::Remote(RemoteError::Refused { reason, .. })) if !reason.is_lasting() => {
+                return None
+            }
             Err(e) => {
                 log::warn!(
                     "pid {} cannot be write-protected, hashing all its pages every pass: {e}",
