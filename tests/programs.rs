@@ -18,8 +18,8 @@ use rksm::{
     tools::guest::{self, GuestImage, GuestMemory, GuestProcess},
 };
 use rksm_tests::{
-    ksm_merging_pages, ksm_turn, proc_status, require_root, rksm_command, wait_for, Running,
-    TestChild, PAGE,
+    ksm_merging_pages, ksm_turn, proc_status, queue_signal, require_root, rksm_command, wait_for,
+    Running, TestChild, PAGE,
 };
 
 /// The daemon in ebpf mode over some targets, with its status socket.
@@ -507,19 +507,10 @@ fn an_idle_event_loop_sees_no_eintr_and_queued_signals_arrive_intact() {
     flooded.send("signals 20000");
     assert_eq!(flooded.reply(), "listening");
     for value in 0..20_000u64 {
-        let sent = wait_for(Duration::from_secs(10), || {
-            // SAFETY: sigqueue takes plain values.
-            unsafe {
-                libc::sigqueue(
-                    pids[1] as i32,
-                    libc::SIGRTMIN(),
-                    libc::sigval {
-                        sival_ptr: value as usize as *mut libc::c_void,
-                    },
-                ) == 0
-            }
-        });
-        assert!(sent, "signal {value} could not be queued");
+        assert!(
+            queue_signal(pids[1], value),
+            "signal {value} could not be queued"
+        );
         if value % 1000 == 0 {
             std::thread::sleep(Duration::from_millis(20));
         }

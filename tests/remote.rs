@@ -8,7 +8,8 @@ use rksm::kernel::{
     remote::{self, nr, RemoteError, RemoteRefusal, RemoteSession},
 };
 use rksm_tests::{
-    blocked_syscall, fd_count, proc_status, require_root, vma_mergeable, wait_for, TestChild, PAGE,
+    blocked_syscall, fd_count, proc_status, queue_signal, require_root, vma_mergeable, wait_for,
+    TestChild, PAGE,
 };
 
 const MADV_MERGEABLE: u64 = 12;
@@ -296,19 +297,10 @@ fn queued_signals_keep_their_payload_and_order_while_the_target_is_borrowed() {
             let seen = borrows.load(SeqCst);
             assert!(wait_for(Duration::from_secs(10), || borrows.load(SeqCst) > seen));
         }
-        let sent = wait_for(Duration::from_secs(10), || {
-            // SAFETY: sigqueue takes plain values.
-            unsafe {
-                libc::sigqueue(
-                    pid as i32,
-                    libc::SIGRTMIN(),
-                    libc::sigval {
-                        sival_ptr: value as usize as *mut libc::c_void,
-                    },
-                ) == 0
-            }
-        });
-        assert!(sent, "signal {value} could not be queued");
+        assert!(
+            queue_signal(pid, value),
+            "signal {value} could not be queued"
+        );
     }
     let answer = child.reply();
     done.store(true, SeqCst);

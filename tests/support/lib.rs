@@ -574,3 +574,20 @@ pub fn ksmd_settings() -> (String, String, String) {
     };
     (read("run"), read("pages_to_scan"), read("sleep_millisecs"))
 }
+
+/// Queues SIGRTMIN with `value` as its `si_value` to `pid` (`sigqueue`), retrying while the
+/// receiver's queue is full, for up to 10 s; false if it never went.
+pub fn queue_signal(pid: u32, value: u64) -> bool {
+    wait_for(Duration::from_secs(10), || {
+        // SAFETY: sigqueue takes plain values.
+        unsafe {
+            libc::sigqueue(
+                pid as i32,
+                libc::SIGRTMIN(),
+                libc::sigval {
+                    sival_ptr: value as usize as *mut libc::c_void,
+                },
+            ) == 0
+        }
+    })
+}
