@@ -602,6 +602,68 @@ fn after_sigkill_no_target_is_left_stopped_and_the_next_start_restores_ksmd() {
 }
 
 #[test]
+fn a_non_dumpable_process_with_duplicates_is_never_marked() {
+    require_root();
+    let _turn = ksm_turn();
+    let mut open = TestChild::spawn_as_nobody();
+    let mut secretive = TestChild::spawn_as_nobody();
+    let (ra, rb) = (open.map(64), secretive.map(64));
+    open.write(ra, 0, 64, 79);
+    secretive.write(rb, 0, 64, 79);
+    let (open_pid, secretive_pid) = (open.pid_from_proc(), secretive.pid_from_proc());
+    let regions = [(open_pid, ra, 64), (secretive_pid, rb, 64)];
+    let mut daemon = daemon_with_domains(&regions, DirtyMode::Pagemap, DomainPolicy::Uid);
+    // Named on the command line it would be refused at start with an error; turning
+    // non-dumpable once rksm runs, it is refused before its first pass.
+    secretive.command("nodump");
+    // The other one's own duplicates are merged; the secretive one is never touched.
+    let merged = passes_until(&mut daemon, || ksm_pages(open_pid, ra, 64).len() == 64);
+    let stats = daemon.finish();
+    assert!(merged, "the dumpable process was not merged");
+    assert!(!vma_mergeable(secretive_pid, rb.base));
+    assert_eq!(stats.targets_refused.get("non_dumpable"), Some(&1));
+    assert_eq!(proc_status(secretive_pid, "TracerPid:"), "0");
+    assert!(secretive.verify(rb, 0, 64, 79));
+}
+
+#[test]
+fn a_process_that_calls_setuid_moves_domain_and_is_unmarked() {
+    require_root();
+    let _turn = ksm_turn();
+    let mut stays = TestChild::spawn();
+    let mut moves = TestChild::spawn();
+    let (ra, rb) = (stays.map(64), moves.map(64));
+    stays.write(ra, 0, 64, 78);
+    moves.write(rb, 0, 64, 78);
+    let moves_pid = moves.pid_from_proc();
+    let regions = [(stays.pid(), ra, 64), (moves_pid, rb, 64)];
+    let mut daemon = daemon_with_domains(&regions, DirtyMode::Pagemap, DomainPolicy::Uid);
+    assert!(
+        passes_until(&mut daemon, || ksm_pages(moves_pid, rb, 64).len() == 64),
+        "not merged in the first place"
+    );
+    assert!(vma_mergeable(moves_pid, rb.base));
+    moves.command("setuid 65534");
+    // It is unmarked (and its merged pages unmerged) at the next pass, and placed again in
+    // its new domain, where root's content is not its to mark.
+    let unmarked = passes_until(&mut daemon, || {
+        !vma_mergeable(moves_pid, rb.base) && ksm_pages(moves_pid, rb, 64).is_empty()
+    });
+    for _ in 0..3 {
+        daemon.wait(Instant::now() + Duration::from_millis(300), &[]);
+        daemon.pass();
+    }
+    let stats = daemon.finish();
+    assert!(unmarked, "still marked after moving to uid 65534");
+    assert!(
+        !vma_mergeable(moves_pid, rb.base),
+        "marked again in its new domain"
+    );
+    assert_eq!(stats.domain_changes, 1);
+    assert!(moves.verify(rb, 0, 64, 78) && stays.verify(ra, 0, 64, 78));
+}
+
+#[test]
 fn identical_pages_of_two_users_are_never_merged_with_each_other_by_default() {
     require_root();
     let _turn = ksm_turn();

@@ -186,8 +186,17 @@ fn free_port() -> u16 {
 }
 
 fn http_get(port: u16, path: &str) -> String {
+    http_get_with(port, path, "")
+}
+
+/// GET `path` with extra header lines `headers` (each ending in CRLF).
+fn http_get_with(port: u16, path: &str, headers: &str) -> String {
     let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    write!(stream, "GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n").unwrap();
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\n{headers}\r\n"
+    )
+    .unwrap();
     let mut reply = String::new();
     stream.read_to_string(&mut reply).unwrap();
     reply
@@ -209,6 +218,11 @@ fn status_shows_a_running_daemon_as_text_json_and_metrics() {
     let socket = dir.path("rksm.sock");
     let mut kids = twins(2, 64, 41);
     let port = free_port();
+    let token = dir.path("token");
+    std::fs::write(&token, "s3cret-token-for-the-test\n").unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let textfile = dir.path("rksm.prom");
     let mut args = vec![
         "daemon".to_string(),
         "--interval".into(),
@@ -217,6 +231,10 @@ fn status_shows_a_running_daemon_as_text_json_and_metrics() {
         socket.display().to_string(),
         "--metrics-address".into(),
         format!("127.0.0.1:{port}"),
+        "--metrics-token-file".into(),
+        token.display().to_string(),
+        "--metrics-textfile".into(),
+        textfile.display().to_string(),
     ];
     for (child, _) in &kids {
         args.extend(["--pid".into(), child.pid().to_string()]);
@@ -304,19 +322,47 @@ fn status_shows_a_running_daemon_as_text_json_and_metrics() {
         "{metrics}"
     );
 
-    // The same families over HTTP, because it was asked for.
+    // Over HTTP, because it was asked for: daemon-wide and per-domain series for anyone,
+    // the per-process ones only with the token.
     let http = http_get(port, "/metrics");
     assert!(http.starts_with("HTTP/1.1 200 OK"), "{http}");
     assert!(
         http.contains("# TYPE rksm_full_scans_total counter"),
         "{http}"
     );
-    assert!(http.contains("rksm_ksm_merging_pages{pid="), "{http}");
+    assert!(
+        http.contains("rksm_domain_ksm_merging_pages{domain=\"uid 0\"}"),
+        "{http}"
+    );
+    assert!(!http.contains("pid=") && !http.contains("comm="), "{http}");
+    let wrong = http_get_with(port, "/metrics", "Authorization: Bearer not-the-token\r\n");
+    assert!(!wrong.contains("pid="), "{wrong}");
+    let trusted = http_get_with(
+        port,
+        "/metrics",
+        "Authorization: Bearer s3cret-token-for-the-test\r\n",
+    );
+    assert!(trusted.contains("rksm_ksm_merging_pages{pid="), "{trusted}");
     assert!(http_get(port, "/").starts_with("HTTP/1.1 404"));
     assert_eq!(tcp_listeners_of(daemon.id()), 1);
+    // The textfile for node_exporter: the public series, written after every pass.
+    let prom = std::fs::read_to_string(&textfile).expect("the metrics textfile");
+    assert!(prom.contains("\nrksm_full_scans_total "), "{prom}");
+    assert!(!prom.contains("pid="), "{prom}");
+
+    // A client that connects and sends nothing delays nobody: `rksm status` answers while it
+    // hangs on.
+    let slow = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let asked = std::time::Instant::now();
+    assert!(status_json(&socket).is_some());
+    assert!(
+        asked.elapsed() < Duration::from_secs(1),
+        "rksm status waited {:?} behind a silent HTTP client",
+        asked.elapsed()
+    );
+    drop(slow);
 
     // Root only: the socket's mode, and a user who asks anyway gets an error line.
-    use std::os::unix::fs::PermissionsExt;
     let mode = std::fs::metadata(&socket).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o600);
     let output = Command::new("setpriv")
@@ -342,6 +388,26 @@ fn status_shows_a_running_daemon_as_text_json_and_metrics() {
     for (child, r) in &mut kids {
         assert!(child.verify(*r, 0, 64, 41));
     }
+}
+
+#[test]
+fn a_metrics_token_file_others_can_read_is_refused_in_one_line() {
+    require_root();
+    let dir = Scratch::new("token");
+    let token = dir.path("token");
+    std::fs::write(&token, "s3cret-token-for-the-test\n").unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let output = rksm(&[
+        "daemon",
+        "--pid",
+        &std::process::id().to_string(),
+        "--metrics-token-file",
+        token.to_str().unwrap(),
+    ]);
+    assert_eq!(output.status.code(), Some(2), "{}", stderr(&output));
+    assert_eq!(stderr(&output).lines().count(), 1, "{}", stderr(&output));
+    assert!(stderr(&output).contains("chmod 600"), "{}", stderr(&output));
 }
 
 #[test]

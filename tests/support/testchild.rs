@@ -33,6 +33,8 @@
 //!   (single) thread is in the kernel's vfork wait.
 //! - `stat PATH` → `stat ok` or `stat error ...`: a `stat(2)` of PATH (on a FUSE mount whose
 //!   server never answers, the thread waits in the kernel until the connection is aborted).
+//! - `setuid UID` → `ok`: all its user ids become UID (a daemon dropping root), and it stays
+//!   dumpable (`PR_SET_DUMPABLE` 1, which a uid change resets).
 //! - `nodump` → `ok`: `prctl(PR_SET_DUMPABLE, 0)`, as ssh-agent does.
 //! - `setids` → `ok`: sets its effective uid to nobody's, keeping real and saved (as a set-uid
 //!   program's ids differ).
@@ -419,6 +421,18 @@ fn run(line: &str, regions: &mut Vec<Region>) -> Result<String, String> {
                 Ok(_) => "stat ok".into(),
                 Err(e) => format!("stat error {e}"),
             })
+        }
+        Some("setuid") => {
+            let uid = num(1)? as libc::uid_t;
+            // SAFETY: setresuid and prctl with plain integers; this process only.
+            unsafe {
+                if libc::setresuid(uid, uid, uid) != 0
+                    || libc::prctl(libc::PR_SET_DUMPABLE, 1, 0, 0, 0) != 0
+                {
+                    return Err(format!("setuid: {}", io::Error::last_os_error()));
+                }
+            }
+            Ok("ok".into())
         }
         Some("nodump") => {
             // SAFETY: prctl with integer arguments.

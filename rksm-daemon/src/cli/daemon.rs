@@ -16,7 +16,7 @@ use rksm::{
     engine::{checksum::ChecksumKind, dirty::DEFAULT_AUDIT_PASSES, targets::TargetSpec},
     service::{
         config::{ConfigFile, Seconds},
-        status::{Status, StatusServer, DEFAULT_SOCKET},
+        status::{self, HttpAccess, Status, StatusServer, DEFAULT_SOCKET},
     },
 };
 
@@ -64,6 +64,14 @@ pub struct DaemonOptions {
     /// unless given).
     #[arg(long, value_name = "ADDR")]
     metrics_address: Option<SocketAddr>,
+    /// A file (mode 0600) holding a token: HTTP clients that send `Authorization: Bearer
+    /// TOKEN` also get the per-process series; others get daemon-wide and per-domain sums.
+    #[arg(long, value_name = "PATH")]
+    metrics_token_file: Option<PathBuf>,
+    /// Write the daemon-wide and per-domain metrics to this file after every pass, for
+    /// node_exporter's textfile collector (e.g. /var/lib/node_exporter/textfile/rksm.prom).
+    #[arg(long, value_name = "PATH")]
+    metrics_textfile: Option<PathBuf>,
 }
 
 /// The daemon's settings once the command line and the configuration file are combined.
@@ -79,6 +87,8 @@ struct Settings {
     json: bool,
     socket: PathBuf,
     metrics_address: Option<SocketAddr>,
+    metrics_token_file: Option<PathBuf>,
+    metrics_textfile: Option<PathBuf>,
 }
 
 impl DaemonOptions {
@@ -104,6 +114,14 @@ impl DaemonOptions {
                 .or_else(|| file.socket.clone())
                 .unwrap_or_else(|| DEFAULT_SOCKET.into()),
             metrics_address: self.metrics_address.or(file.metrics_address),
+            metrics_token_file: self
+                .metrics_token_file
+                .clone()
+                .or_else(|| file.metrics_token_file.clone()),
+            metrics_textfile: self
+                .metrics_textfile
+                .clone()
+                .or_else(|| file.metrics_textfile.clone()),
         }
     }
 }
@@ -200,6 +218,13 @@ fn serve(spec: TargetSpec, options: &Settings, child: Option<u32>) -> anyhow::Re
         audit_passes: options.audit_passes,
         ..DaemonConfig::default()
     };
+    // Bad input is refused before ksmd is touched.
+    let token = options
+        .metrics_token_file
+        .as_deref()
+        .map(HttpAccess::read_token)
+        .transpose()
+        .map_err(BadInput)?;
     let mut daemon = Daemon::start(config).map_err(|e| match e {
         DaemonError::Targets(e) => anyhow::Error::new(BadInput(e.to_string())),
         other => anyhow::Error::new(other),
@@ -212,8 +237,14 @@ fn serve(spec: TargetSpec, options: &Settings, child: Option<u32>) -> anyhow::Re
         options.checksum,
         options.domain
     );
-    let status = StatusServer::start(&options.socket, options.metrics_address)?;
-    status.publish(Status::of(&daemon));
+    let server = StatusServer::start(
+        &options.socket,
+        HttpAccess {
+            address: options.metrics_address,
+            token,
+        },
+    )?;
+    server.publish(Status::of(&daemon));
     if let Some(addr) = options.metrics_address {
         log::info!("serving Prometheus metrics on http://{addr}/metrics");
     }
@@ -234,7 +265,12 @@ fn serve(spec: TargetSpec, options: &Settings, child: Option<u32>) -> anyhow::Re
         if daemon.stopping() {
             break;
         }
-        status.publish(Status::of(&daemon));
+        server.publish(Status::of(&daemon));
+        if let Some(path) = &options.metrics_textfile {
+            if let Err(e) = status::write_textfile(path, &Status::of(&daemon).read_live()) {
+                log::warn!("writing {}: {e}", path.display());
+            }
+        }
         let s = daemon.stats();
         log::info!(
             pass, targets = summary.targets, pages_hashed = summary.pages_hashed,
@@ -257,7 +293,7 @@ fn serve(spec: TargetSpec, options: &Settings, child: Option<u32>) -> anyhow::Re
             break;
         }
     }
-    drop(status);
+    drop(server);
     let stats = daemon.finish();
     let mut out = io::stdout().lock();
     if options.json {

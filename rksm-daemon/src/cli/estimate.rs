@@ -13,6 +13,7 @@ use rksm::{
         scan::{PageCounts, PassReport, Progress, ScanConfig, Scanner},
         target::Target,
     },
+    kernel::procfs::printable,
     service::config::Seconds,
 };
 use serde_json::{json, Value};
@@ -160,7 +161,7 @@ fn print_tables(out: &mut impl Write, report: &PassReport, args: &EstimateArgs) 
         )
     };
     for p in &report.processes {
-        row(out, &p.pid.to_string(), &p.comm, &p.counts)?;
+        row(out, &p.pid.to_string(), &printable(&p.comm), &p.counts)?;
     }
     row(out, "", "TOTAL", &report.total)?;
     writeln!(

@@ -5,6 +5,7 @@ use std::{io::Write, path::PathBuf, time::SystemTime};
 use clap::Args;
 use rksm::{
     daemon::{mib, unix_time},
+    kernel::procfs::printable,
     service::{
         config::ConfigFile,
         status::{query, render_metrics, Status, DEFAULT_SOCKET},
@@ -122,7 +123,7 @@ fn human(s: &Status, now: SystemTime) -> String {
     for t in &s.targets {
         text += &row!(
             t.pid,
-            t.comm,
+            printable(&t.comm),
             t.ksm_merging_pages.map_or("-".into(), |n| n.to_string()),
             t.counters.pages_marked,
             t.counters.pages_hashed,
@@ -130,7 +131,7 @@ fn human(s: &Status, now: SystemTime) -> String {
             t.counters.write_faults,
             t.counters.cow_breaks,
             t.counters.dirty_misses,
-            t.domain
+            printable(&t.domain)
         );
     }
     text

@@ -12,6 +12,7 @@ use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use rksm::{
     ebpf::tracer::TracerConfig,
     kernel::process::{Process, TargetError},
+    kernel::procfs::printable,
     service::config::Seconds,
     tools::trace::{ProcessReport, TraceSession},
 };
@@ -146,7 +147,8 @@ fn trace(processes: Vec<Process>, args: &TraceArgs) -> anyhow::Result<()> {
             for gone in session.reap_exited()? {
                 eprintln!(
                     "rksm: pid {} ({}) exited; its numbers are final",
-                    gone.pid, gone.comm
+                    gone.pid,
+                    printable(&gone.comm)
                 );
             }
             if !args.json {
@@ -184,7 +186,7 @@ fn print_progress(elapsed: Duration, reports: &[ProcessReport]) -> io::Result<()
             "{:>6.1}s  pid {} ({}): {} written pages, {} write faults{}",
             elapsed.as_secs_f64(),
             r.pid,
-            r.comm,
+            printable(&r.comm),
             r.written_pages,
             r.write_faults,
             lost_note(r.lost),
@@ -217,7 +219,7 @@ fn print_summary(out: &mut impl Write, seconds: f64, reports: &[ProcessReport]) 
             out,
             "{:>8}  {:<16} {:>14} {:>13} {:>8}{}",
             r.pid,
-            r.comm,
+            printable(&r.comm),
             r.written_pages,
             r.write_faults,
             r.lost,

@@ -11,7 +11,7 @@ use std::collections::{hash_map::Entry, HashMap, HashSet};
 /// Which processes may share merged pages with each other.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum DomainPolicy {
-    /// Processes of the same user (real uid).
+    /// Processes of the same user (all of real, effective, saved and filesystem uids).
     #[default]
     Uid,
     /// Processes of the same cgroup.
@@ -28,13 +28,20 @@ impl DomainPolicy {
         match self {
             DomainPolicy::None => Some("all".into()),
             DomainPolicy::Uid => {
+                // All of its user ids, read again every pass: a process that changes one
+                // (setuid, seteuid) changes domain.
                 let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-                let uid = status
+                let uids: Vec<&str> = status
                     .lines()
                     .find_map(|l| l.strip_prefix("Uid:"))?
                     .split_whitespace()
-                    .next()?;
-                Some(format!("uid {uid}"))
+                    .collect();
+                let first = *uids.first()?;
+                Some(if uids.iter().all(|&u| u == first) {
+                    format!("uid {first}")
+                } else {
+                    format!("uid {}", uids.join(","))
+                })
             }
             DomainPolicy::Cgroup => {
                 // The whole membership list: v2's single line, or every v1 hierarchy's.

@@ -47,7 +47,7 @@ use crate::{
         arming,
         ksmd::{self, KsmdError, KsmdOwner},
         process::{Process, ProcessId},
-        procfs::ProcfsError,
+        procfs::{self, ProcfsError},
         ranges::Range,
         remote::{self, RemoteError, RemoteRefusal},
     },
@@ -172,6 +172,9 @@ pub struct DaemonStats {
     /// Threads of targets borrowed (stopped for remote system calls and let go).
     #[serde(default)]
     pub borrows: u64,
+    /// Targets whose merge domain changed (setuid, a cgroup move), unmarked and placed again.
+    #[serde(default)]
+    pub domain_changes: u64,
     /// Targets refused, by reason.
     pub targets_refused: BTreeMap<String, u64>,
     /// The dirty mode in use.
@@ -495,8 +498,9 @@ impl Daemon {
             let domain = self.domains.join(&name);
             log::info!(
                 pid, comm = process.comm(), domain = name.as_str();
-                "target pid {pid} ({}), merge domain {name}",
-                process.comm()
+                "target pid {pid} ({}), merge domain {}",
+                procfs::printable(process.comm()),
+                procfs::printable(&name)
             );
             let mut target = Target::adopt(process, domain, name);
             // Tracked from adoption in every mode: the copy-on-write accounting needs the
@@ -584,6 +588,7 @@ impl Daemon {
             log::info!("pid {pid} executed a new program; starting over with it");
             self.drop_target(pid);
         }
+        self.follow_the_processes();
         self.refusals.prune();
         match self.config.targets.resolve_again() {
             Ok(selection) => {
@@ -603,6 +608,57 @@ impl Daemon {
             if let Err(RemoteError::Refused { reason, .. }) = remote::check_borrowable(pid) {
                 self.refuse_remote(pid, reason);
             }
+        }
+    }
+
+    /// Step 1, continued: what a process is can change under rksm. One that made itself off
+    /// limits (a set-id change, `PR_SET_DUMPABLE` 0) is refused from now on and never
+    /// borrowed again, so what was marked in it stays marked. One whose merge domain changed
+    /// (a `setuid`, a move to another cgroup) takes nothing marked into its new domain: rksm
+    /// unmarks what it marked there and places it again, as a new target, next pass.
+    fn follow_the_processes(&mut self) {
+        let mut off_limits = Vec::new();
+        let mut moved = Vec::new();
+        for target in self.targets.values() {
+            if let Some(reason) = target.process().off_limits() {
+                off_limits.push((target.id(), reason));
+            } else if let Some(now) = self.config.domain.domain_of(target.pid()) {
+                if now != target.domain_name() {
+                    moved.push((target.pid(), now));
+                }
+            }
+        }
+        for (id, reason) in off_limits {
+            if self
+                .targets
+                .get(&id.pid)
+                .is_some_and(|t| !t.marked.is_empty())
+            {
+                log::warn!(
+                    "pid {}: {reason} now; what rksm marked in it stays marked, since it is not touched again",
+                    id.pid
+                );
+            }
+            self.refuse(id, reason.as_str(), &reason);
+        }
+        for (pid, now) in moved {
+            let Some(target) = self.targets.get_mut(&pid) else {
+                continue;
+            };
+            log::warn!(
+                "pid {pid} moved from merge domain {} to {}: unmarking what rksm marked in it",
+                procfs::printable(target.domain_name()),
+                procfs::printable(&now)
+            );
+            let runs = target.marked.within(Range::new(0, u64::MAX));
+            if !runs.is_empty() {
+                match self.marker.unmark(target, &runs) {
+                    Ok(outcome) => self.marking_syscalls += outcome.remote_syscalls,
+                    Err(e) => log::warn!("pid {pid}: unmarking after a domain change: {e}"),
+                }
+            }
+            self.stats.domain_changes += 1;
+            self.drop_target(pid);
         }
     }
 

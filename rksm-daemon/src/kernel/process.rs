@@ -209,6 +209,18 @@ impl Process {
         self.image() != self.image_at_open
     }
 
+    /// Why rksm must not touch the process now, if it must not: a process can make itself
+    /// off limits after it was opened (`setuid`, `PR_SET_DUMPABLE`), so this is asked again
+    /// every pass.
+    pub fn off_limits(&self) -> Option<RefusalReason> {
+        let stat = ProcStat::read(self.pid).ok()?;
+        stat.refusal()
+            .filter(|r| matches!(r, RefusalReason::SetId))
+            .or_else(|| {
+                (!is_dumpable(self.pid, stat.uids[0])).then_some(RefusalReason::NonDumpable)
+            })
+    }
+
     /// True once the process has exited (its pidfd became readable). Never blocks.
     pub fn has_exited(&self) -> bool {
         use nix::poll::{poll, PollFd, PollFlags, PollTimeout};

@@ -485,6 +485,32 @@ impl KpageFlags {
     }
 }
 
+/// `text` with control characters written as `\xNN` (and `\` as `\\`): command names
+/// and cgroup paths are chosen by other users, and must not reach a terminal or a log as
+/// escape sequences.
+///
+/// ```
+/// use rksm::kernel::procfs::printable;
+/// assert_eq!(printable("python3"), "python3");
+/// assert_eq!(printable("evil\x1b[2Jname\n"), "evil\\x1b[2Jname\\x0a");
+/// ```
+pub fn printable(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(|c| c.is_control() || c == '\\') {
+        return text.into();
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            c if c.is_control() => {
+                let _ = std::fmt::Write::write_fmt(&mut out, format_args!("\\x{:02x}", c as u32));
+            }
+            c => out.push(c),
+        }
+    }
+    out.into()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

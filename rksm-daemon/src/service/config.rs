@@ -117,6 +117,12 @@ pub struct ConfigFile {
     /// `--metrics-address`: serve Prometheus metrics over HTTP here (off unless set).
     #[serde(default, deserialize_with = "parsed")]
     pub metrics_address: Option<SocketAddr>,
+    /// `--metrics-token-file`: a bearer token that also gets the per-target series over HTTP.
+    #[serde(default)]
+    pub metrics_token_file: Option<PathBuf>,
+    /// `--metrics-textfile`: write the public metrics here after every pass.
+    #[serde(default)]
+    pub metrics_textfile: Option<PathBuf>,
 }
 
 impl ConfigFile {
@@ -404,6 +410,8 @@ log_level = "rksm::daemon=debug,info"
 log_format = "json"
 socket = "/run/rksm/other.sock"
 metrics_address = "127.0.0.1:9464"
+metrics_token_file = "/etc/rksm/metrics-token"
+metrics_textfile = "/var/lib/node_exporter/textfile/rksm.prom"
 "#,
         )
         .unwrap();
@@ -425,6 +433,14 @@ metrics_address = "127.0.0.1:9464"
         assert_eq!(
             config.metrics_address,
             Some("127.0.0.1:9464".parse().unwrap())
+        );
+        assert_eq!(
+            config.metrics_token_file,
+            Some(PathBuf::from("/etc/rksm/metrics-token"))
+        );
+        assert_eq!(
+            config.metrics_textfile,
+            Some(PathBuf::from("/var/lib/node_exporter/textfile/rksm.prom"))
         );
     }
 

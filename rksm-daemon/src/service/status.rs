@@ -43,6 +43,8 @@ use crate::{
     kernel::procfs::KsmStat,
 };
 
+pub use crate::kernel::procfs::printable;
+
 /// Where `rksm status` finds the daemon unless told otherwise.
 pub const DEFAULT_SOCKET: &str = "/run/rksm/rksm.sock";
 
@@ -182,6 +184,16 @@ impl TargetStatus {
 /// Prometheus text exposition (version 0.0.4) of `status`: daemon-wide counters without
 /// labels, per-target ones with `pid` and `comm` labels (sum them for totals).
 pub fn render_metrics(status: &Status) -> String {
+    render(status, true)
+}
+
+/// The Prometheus text for whoever cannot ptrace the targets (the HTTP endpoint without the
+/// token, the textfile): daemon-wide series and per-domain sums, no pid, no command name.
+pub fn render_public_metrics(status: &Status) -> String {
+    render(status, false)
+}
+
+fn render(status: &Status, per_target: bool) -> String {
     let mut out = String::new();
     let c = &status.counters;
     // Names follow the exposition conventions: counters end in `_total`, and quantities are
@@ -301,7 +313,7 @@ pub fn render_metrics(status: &Status) -> String {
     );
     // Per target; `None` (the kernel has no ksm_stat for it) leaves the series out.
     type Field = fn(&TargetStatus) -> Option<f64>;
-    let per_target: [(&str, &str, &str, Field); 9] = [
+    let per_target_series: [(&str, &str, &str, Field); 9] = [
         (
             "pages_volatile",
             "gauge",
@@ -354,7 +366,38 @@ pub fn render_metrics(status: &Status) -> String {
             |t| t.ksm_process_profit.map(|v| v as f64),
         ),
     ];
-    for (name, kind, help, field) in per_target {
+    if !per_target {
+        // Per merge domain: sums over its targets.
+        let mut domains: std::collections::BTreeMap<&str, [f64; 3]> = Default::default();
+        for t in &status.targets {
+            let sums = domains.entry(t.domain.as_str()).or_default();
+            sums[0] += 1.0;
+            sums[1] += t.counters.pages_marked as f64;
+            sums[2] += t.ksm_merging_pages.unwrap_or(0) as f64;
+        }
+        for (i, (name, help)) in [
+            ("domain_targets", "Targets in the merge domain."),
+            (
+                "domain_pages_marked",
+                "Pages marked mergeable in the domain's targets.",
+            ),
+            (
+                "domain_ksm_merging_pages",
+                "The kernel's ksm_merging_pages summed over the domain's targets.",
+            ),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let samples: Vec<(String, f64)> = domains
+                .iter()
+                .map(|(d, sums)| (labels(&[("domain", d)]), sums[i]))
+                .collect();
+            family(name, "gauge", help, &samples);
+        }
+        return out;
+    }
+    for (name, kind, help, field) in per_target_series {
         let samples: Vec<(String, f64)> = status
             .targets
             .iter()
@@ -376,15 +419,55 @@ fn labels(pairs: &[(&str, &str)]) -> String {
     let inner: Vec<String> = pairs
         .iter()
         .map(|(k, v)| {
-            let v = v
-                .replace('\\', "\\\\")
-                .replace('"', "\\\"")
-                .replace('\n', "\\n");
+            // Prometheus escapes backslash, quote and newline; other control characters
+            // are written out so that no reader's terminal sees them.
+            let v = printable(v).replace('\\', "\\\\").replace('"', "\\\"");
             format!("{k}=\"{v}\"")
         })
         .collect();
     format!("{{{}}}", inner.join(","))
 }
+
+/// Who may see what over HTTP: without `token`, daemon-wide and per-domain series only.
+#[derive(Debug, Clone, Default)]
+pub struct HttpAccess {
+    /// The address to serve `GET /metrics` on.
+    pub address: Option<SocketAddr>,
+    /// A bearer token (`Authorization: Bearer ...`) that also gets the per-target series.
+    pub token: Option<String>,
+}
+
+impl HttpAccess {
+    /// Reads the token from `path`: one line, kept from other users (mode 0600 or
+    /// narrower), or a one-line reason why not.
+    pub fn read_token(path: &Path) -> Result<String, String> {
+        use std::os::unix::fs::PermissionsExt;
+        let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        if meta.permissions().mode() & 0o077 != 0 {
+            return Err(format!(
+                "{}: the metrics token file must not be readable by group or others (chmod 600)",
+                path.display()
+            ));
+        }
+        let token = std::fs::read_to_string(path)
+            .map_err(|e| format!("{}: {e}", path.display()))?
+            .trim()
+            .to_string();
+        if token.len() < 16 || token.contains(char::is_whitespace) {
+            return Err(format!(
+                "{}: the metrics token must be one word of at least 16 characters",
+                path.display()
+            ));
+        }
+        Ok(token)
+    }
+}
+
+/// How long one client of the status server may take, reading its request and the answer:
+/// each client has a thread and a deadline of its own, so a slow one delays nobody else.
+pub const CLIENT_DEADLINE: Duration = Duration::from_secs(2);
+/// Clients served at once; more wait in the listen queue.
+const MAX_CLIENTS: usize = 16;
 
 /// Serves the latest [`Status`] from a thread, until dropped.
 pub struct StatusServer {
@@ -396,9 +479,9 @@ pub struct StatusServer {
 
 impl StatusServer {
     /// Listens on `socket` (created mode 0600, so only root can connect; a stale socket left
-    /// by a dead daemon is replaced, any other file is not) and, if given, serves metrics
-    /// over HTTP on `metrics`.
-    pub fn start(socket: &Path, metrics: Option<SocketAddr>) -> Result<Self, StatusError> {
+    /// by a dead daemon is replaced, any other file is not) and, if `http.address` is given,
+    /// serves metrics over HTTP there.
+    pub fn start(socket: &Path, http: HttpAccess) -> Result<Self, StatusError> {
         let listen_err = |what: String| move |source| StatusError::Listen { what, source };
         let sock_err = listen_err(socket.display().to_string());
         if let Some(dir) = socket.parent() {
@@ -425,7 +508,8 @@ impl StatusServer {
         let unix = unix.map_err(sock_err)?;
         unix.set_nonblocking(true)
             .map_err(listen_err(socket.display().to_string()))?;
-        let http = metrics
+        let listener = http
+            .address
             .map(|addr| {
                 let listener = TcpListener::bind(addr).map_err(listen_err(addr.to_string()))?;
                 listener
@@ -438,9 +522,10 @@ impl StatusServer {
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let (latest, stop) = (latest.clone(), stop.clone());
+            let token = http.token;
             std::thread::Builder::new()
                 .name("rksm-status".into())
-                .spawn(move || serve(&unix, http.as_ref(), &latest, &stop))
+                .spawn(move || serve(&unix, listener.as_ref(), token, &latest, &stop))
                 .map_err(listen_err("status thread".into()))?
         };
         Ok(StatusServer {
@@ -467,18 +552,39 @@ impl Drop for StatusServer {
     }
 }
 
+/// Accepts clients and hands each to a thread of its own.
 fn serve(
     unix: &UnixListener,
     http: Option<&TcpListener>,
-    latest: &Mutex<Status>,
+    token: Option<String>,
+    latest: &Arc<Mutex<Status>>,
     stop: &AtomicBool,
 ) {
-    let snapshot = || {
-        latest
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-            .read_live()
+    let busy = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let token = Arc::new(token);
+    let spawn = |name: String, work: Box<dyn FnOnce(Status) -> io::Result<()> + Send>| {
+        if busy.load(Ordering::Relaxed) >= MAX_CLIENTS {
+            return;
+        }
+        busy.fetch_add(1, Ordering::Relaxed);
+        let (mine, latest) = (busy.clone(), latest.clone());
+        let spawned = std::thread::Builder::new()
+            .name("rksm-status-client".into())
+            .spawn(move || {
+                // The snapshot is taken, and its live values read, in the client's thread.
+                let status = latest
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clone()
+                    .read_live();
+                if let Err(e) = work(status) {
+                    log::debug!("{name}: {e}");
+                }
+                mine.fetch_sub(1, Ordering::Relaxed);
+            });
+        if spawned.is_err() {
+            busy.fetch_sub(1, Ordering::Relaxed);
+        }
     };
     while !stop.load(Ordering::Relaxed) {
         let mut fds = vec![PollFd::new(unix.as_fd(), PollFlags::POLLIN)];
@@ -490,21 +596,24 @@ fn serve(
         }
         drop(fds);
         if let Ok((stream, _)) = unix.accept() {
-            if let Err(e) = answer_unix(stream, &snapshot()) {
-                log::debug!("status client: {e}");
-            }
+            spawn(
+                "status client".into(),
+                Box::new(move |status| answer_unix(stream, &status)),
+            );
         }
         if let Some(Ok((stream, peer))) = http.map(TcpListener::accept) {
-            if let Err(e) = answer_http(stream, &snapshot()) {
-                log::debug!("metrics client {peer}: {e}");
-            }
+            let token = token.clone();
+            spawn(
+                format!("metrics client {peer}"),
+                Box::new(move |status| answer_http(stream, &status, token.as_deref())),
+            );
         }
     }
 }
 
 fn answer_unix(mut stream: UnixStream, status: &Status) -> io::Result<()> {
     stream.set_nonblocking(false)?;
-    stream.set_write_timeout(Some(Duration::from_secs(2)))?;
+    stream.set_write_timeout(Some(CLIENT_DEADLINE))?;
     // Only root: the socket's mode says so already; the peer's credentials say it again.
     let peer = nix::sys::socket::getsockopt(&stream, nix::sys::socket::sockopt::PeerCredentials)
         .map_err(io::Error::from)?;
@@ -519,23 +628,42 @@ fn answer_unix(mut stream: UnixStream, status: &Status) -> io::Result<()> {
     stream.write_all(&body)
 }
 
-fn answer_http(mut stream: TcpStream, status: &Status) -> io::Result<()> {
+/// True if `a` equals `b`, in time that does not depend on where they differ.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn answer_http(mut stream: TcpStream, status: &Status, token: Option<&str>) -> io::Result<()> {
+    let deadline = std::time::Instant::now() + CLIENT_DEADLINE;
     stream.set_nonblocking(false)?;
-    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
-    stream.set_write_timeout(Some(Duration::from_secs(2)))?;
+    stream.set_write_timeout(Some(CLIENT_DEADLINE))?;
     let mut request = Vec::new();
     let mut buf = [0u8; 1024];
     while !request.windows(4).any(|w| w == b"\r\n\r\n") && request.len() < 8192 {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "request too slow"));
+        }
+        stream.set_read_timeout(Some(left))?;
         let n = stream.read(&mut buf)?;
         if n == 0 {
             break;
         }
         request.extend_from_slice(&buf[..n]);
     }
-    let line = String::from_utf8_lossy(&request);
-    let target = line.split_whitespace().nth(1).unwrap_or("");
-    let (code, body) = match (line.starts_with("GET "), target) {
-        (true, "/metrics") => ("200 OK", render_metrics(status)),
+    let text = String::from_utf8_lossy(&request);
+    let target = text.split_whitespace().nth(1).unwrap_or("");
+    let presented = text.lines().find_map(|l| {
+        let (name, value) = l.split_once(':')?;
+        name.trim()
+            .eq_ignore_ascii_case("authorization")
+            .then(|| value.trim().strip_prefix("Bearer ").map(str::trim))?
+    });
+    let trusted =
+        matches!((token, presented), (Some(t), Some(p)) if same_secret(t.as_bytes(), p.as_bytes()));
+    let (code, body) = match (text.starts_with("GET "), target) {
+        (true, "/metrics") if trusted => ("200 OK", render_metrics(status)),
+        (true, "/metrics") => ("200 OK", render_public_metrics(status)),
         (true, _) => ("404 Not Found", "rksm serves /metrics\n".into()),
         (false, _) => ("405 Method Not Allowed", "GET only\n".into()),
     };
@@ -544,6 +672,14 @@ fn answer_http(mut stream: TcpStream, status: &Status) -> io::Result<()> {
         "HTTP/1.1 {code}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     )
+}
+
+/// Writes the public metrics to `path` for node_exporter's textfile collector: to a
+/// temporary file beside it, then renamed over it, so the collector never reads half.
+pub fn write_textfile(path: &Path, status: &Status) -> io::Result<()> {
+    let tmp = path.with_extension("prom.tmp");
+    std::fs::write(&tmp, render_public_metrics(status))?;
+    std::fs::rename(&tmp, path)
 }
 
 /// Asks the daemon listening on `socket` for its status.
@@ -654,11 +790,32 @@ mod tests {
     }
 
     #[test]
+    fn public_metrics_sum_per_domain_and_name_no_process() {
+        let mut status = sample();
+        status.targets[0].domain = "uid 1000".into();
+        status.targets[1].domain = "uid 1000".into();
+        status.targets[1].comm = "evil\x1b[2J\nrksm_fake 1".into();
+        let text = render_public_metrics(&status);
+        assert!(!text.contains("pid=") && !text.contains("comm="), "{text}");
+        for line in [
+            "rksm_full_scans_total 3",
+            "rksm_domain_targets{domain=\"uid 1000\"} 2",
+            "rksm_domain_pages_marked{domain=\"uid 1000\"} 12",
+        ] {
+            assert!(text.lines().any(|l| l == line), "no `{line}` in\n{text}");
+        }
+        // And the full text keeps another user's command name on its own line, escaped.
+        let full = render_metrics(&status);
+        assert!(!full.contains('\x1b'), "{full}");
+        assert!(!full.lines().any(|l| l.starts_with("rksm_fake")), "{full}");
+    }
+
+    #[test]
     fn the_socket_serves_the_latest_status_and_refuses_to_clobber_other_files() {
         let dir = std::env::temp_dir().join(format!("rksm-status-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let socket = dir.join("s.sock");
-        let server = StatusServer::start(&socket, None).unwrap();
+        let server = StatusServer::start(&socket, HttpAccess::default()).unwrap();
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(&socket).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o600);
@@ -679,7 +836,9 @@ mod tests {
         );
 
         std::fs::write(&socket, "not a socket").unwrap();
-        let err = StatusServer::start(&socket, None).err().unwrap();
+        let err = StatusServer::start(&socket, HttpAccess::default())
+            .err()
+            .unwrap();
         assert!(err.to_string().contains("not a socket"), "{err}");
         std::fs::remove_dir_all(dir).unwrap();
     }
