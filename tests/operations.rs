@@ -391,6 +391,67 @@ fn status_shows_a_running_daemon_as_text_json_and_metrics() {
 }
 
 #[test]
+fn outsiders_of_another_domain_marking_their_own_memory_are_named() {
+    require_root();
+    let _turn = ksm_turn();
+    let root = TestChild::spawn();
+    let mut user = TestChild::spawn_as_nobody();
+    let mut prober = TestChild::spawn_as_nobody();
+    let region = prober.map(16);
+    prober.write(region, 0, 16, 5);
+    prober.command(&format!("mergeable {}", region.id));
+    let (user_pid, prober_pid) = (user.pid_from_proc(), prober.pid_from_proc());
+    let daemon = |extra: &[&str]| {
+        let mut args = vec![
+            "--log-level".to_string(),
+            "warn".into(),
+            "daemon".into(),
+            "--passes".into(),
+            "1".into(),
+            "--socket".into(),
+            std::env::temp_dir()
+                .join(format!("rksm-outsiders-{prober_pid}.sock"))
+                .display()
+                .to_string(),
+            "--pid".into(),
+            root.pid().to_string(),
+            "--pid".into(),
+            user_pid.to_string(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        rksm_command().args(&args).output().unwrap()
+    };
+    // Two domains (root, nobody) and a nobody process outside them that marks itself: it
+    // could probe root's pages through ksmd. Refused by default, naming it.
+    let refused = daemon(&[]);
+    assert_eq!(refused.status.code(), Some(1), "{}", stderr(&refused));
+    assert_eq!(stderr(&refused).lines().count(), 1, "{}", stderr(&refused));
+    assert!(
+        stderr(&refused).contains(&format!("pid {prober_pid} (rksm-testchild, uid 65534)")),
+        "{}",
+        stderr(&refused)
+    );
+    // Asked to, it starts and warns, naming it.
+    let warned = daemon(&["--outsiders", "warn"]);
+    assert!(warned.status.success(), "{}", stderr(&warned));
+    assert!(
+        stderr(&warned).contains(&format!(
+            "pid {prober_pid} (rksm-testchild, uid 65534) marks"
+        )),
+        "{}",
+        stderr(&warned)
+    );
+    // One domain for all: nothing to probe across.
+    let one = daemon(&["--domain", "none"]);
+    assert!(one.status.success(), "{}", stderr(&one));
+    assert!(
+        !stderr(&one).contains("outside the targets"),
+        "{}",
+        stderr(&one)
+    );
+}
+
+#[test]
 fn a_metrics_token_file_others_can_read_is_refused_in_one_line() {
     require_root();
     let dir = Scratch::new("token");

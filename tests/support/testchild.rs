@@ -35,6 +35,7 @@
 //!   server never answers, the thread waits in the kernel until the connection is aborted).
 //! - `setuid UID` → `ok`: all its user ids become UID (a daemon dropping root), and it stays
 //!   dumpable (`PR_SET_DUMPABLE` 1, which a uid change resets).
+//! - `mergeable ID` → `ok`: marks region ID `MADV_MERGEABLE` itself, as qemu marks its RAM.
 //! - `nodump` → `ok`: `prctl(PR_SET_DUMPABLE, 0)`, as ssh-agent does.
 //! - `setids` → `ok`: sets its effective uid to nobody's, keeping real and saved (as a set-uid
 //!   program's ids differ).
@@ -267,6 +268,16 @@ fn run(line: &str, regions: &mut Vec<Region>) -> Result<String, String> {
             }
             // SAFETY: the range lies inside the region; DONTNEED only drops its contents.
             if unsafe { libc::madvise(r.page(first)?.cast(), count * PAGE, libc::MADV_DONTNEED) }
+                != 0
+            {
+                return Err(format!("madvise: {}", io::Error::last_os_error()));
+            }
+            Ok("ok".into())
+        }
+        Some("mergeable") => {
+            let r = region(num(1)?)?;
+            // SAFETY: the whole region, which this process mapped; MERGEABLE changes no byte.
+            if unsafe { libc::madvise(r.page(0)?.cast(), r.pages * PAGE, libc::MADV_MERGEABLE) }
                 != 0
             {
                 return Err(format!("madvise: {}", io::Error::last_os_error()));

@@ -12,7 +12,10 @@ use std::{
 use anyhow::Context;
 use clap::Args;
 use rksm::{
-    daemon::{mib, Daemon, DaemonConfig, DaemonError, DaemonStats, DirtyMode, DomainPolicy},
+    daemon::{
+        mib, Daemon, DaemonConfig, DaemonError, DaemonStats, DirtyMode, DomainPolicy,
+        OutsiderPolicy,
+    },
     engine::{checksum::ChecksumKind, dirty::DEFAULT_AUDIT_PASSES, targets::TargetSpec},
     service::{
         config::{ConfigFile, Seconds},
@@ -41,6 +44,11 @@ pub struct DaemonOptions {
     /// [default: uid].
     #[arg(long, value_name = "uid|cgroup|none")]
     domain: Option<DomainPolicy>,
+    /// With more than one merge domain, processes outside the targets that mark their own
+    /// memory mergeable could probe other domains' pages through ksmd: refuse to start,
+    /// naming them, or warn [default: refuse].
+    #[arg(long, value_name = "refuse|warn")]
+    outsiders: Option<OutsiderPolicy>,
     /// Seconds between passes [default: 5].
     #[arg(long, value_name = "SECS", value_parser = |s: &str| Seconds::INTERVAL.parse(s))]
     interval: Option<f64>,
@@ -80,6 +88,7 @@ struct Settings {
     dirty: DirtyMode,
     checksum: ChecksumKind,
     domain: DomainPolicy,
+    outsiders: OutsiderPolicy,
     interval: f64,
     duration: Option<f64>,
     passes: Option<u64>,
@@ -100,6 +109,7 @@ impl DaemonOptions {
                 .or(file.checksum)
                 .unwrap_or(ChecksumKind::Xxh64),
             domain: self.domain.or(file.domain).unwrap_or_default(),
+            outsiders: self.outsiders.or(file.outsiders).unwrap_or_default(),
             interval: self.interval.or(file.interval).unwrap_or(5.0),
             duration: self.duration.or(file.duration),
             passes: self.passes.or(file.passes),
@@ -215,6 +225,7 @@ fn serve(spec: TargetSpec, options: &Settings, child: Option<u32>) -> anyhow::Re
         dirty: options.dirty,
         checksum: options.checksum,
         domain: options.domain,
+        outsiders: options.outsiders,
         audit_passes: options.audit_passes,
         ..DaemonConfig::default()
     };

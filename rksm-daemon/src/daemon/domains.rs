@@ -52,6 +52,80 @@ impl DomainPolicy {
     }
 }
 
+/// What to do about processes rksm does not target that mark their own memory mergeable
+/// while their merge domain is not every target's: ksmd would merge their pages with the
+/// targets', so they can probe every page rksm marks in another domain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum OutsiderPolicy {
+    /// Refuse to start, naming them.
+    #[default]
+    Refuse,
+    /// Start, and warn naming them (once each).
+    Warn,
+}
+
+crate::value_enum_text!(OutsiderPolicy => "policy");
+
+/// A process outside the targets with mergeable memory, in a domain some target is not in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outsider {
+    /// Its pid.
+    pub pid: u32,
+    /// Its command name.
+    pub comm: String,
+    /// Its merge domain.
+    pub domain: String,
+}
+
+impl std::fmt::Display for Outsider {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "pid {} ({}, {})",
+            self.pid,
+            crate::kernel::procfs::printable(&self.comm),
+            crate::kernel::procfs::printable(&self.domain)
+        )
+    }
+}
+
+/// Every process but `targets` (pids) and rksm whose memory is mergeable (its ksm_stat says
+/// so) and whose domain under `policy` differs from one of `target_domains`. With one domain
+/// for all (`none`) there are none.
+pub fn mergeable_outsiders(
+    policy: DomainPolicy,
+    targets: &HashSet<u32>,
+    target_domains: &HashSet<String>,
+) -> Vec<Outsider> {
+    if policy == DomainPolicy::None || target_domains.is_empty() {
+        return Vec::new();
+    }
+    let me = std::process::id();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut found: Vec<Outsider> = entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| *pid != me && !targets.contains(pid))
+        .filter(|&pid| crate::kernel::procfs::KsmStat::read(pid).is_some_and(|k| k.mergeable))
+        .filter_map(|pid| {
+            let domain = policy.domain_of(pid)?;
+            if target_domains.iter().all(|d| *d == domain) {
+                return None;
+            }
+            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+            Some(Outsider {
+                pid,
+                comm: comm.trim_end().to_string(),
+                domain,
+            })
+        })
+        .collect();
+    found.sort_by_key(|o| o.pid);
+    found
+}
+
 /// The domains in use, numbered, and which domain owns each marked content.
 #[derive(Debug, Default)]
 pub struct Domains {

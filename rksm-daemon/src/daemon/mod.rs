@@ -28,8 +28,8 @@ use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use rksm_common::PAGE_SIZE;
 use serde::{Deserialize, Serialize};
 
-pub use self::domains::DomainPolicy;
 use self::domains::Domains;
+pub use self::domains::{DomainPolicy, OutsiderPolicy};
 use crate::{
     ebpf::{
         recorder::Recorder,
@@ -83,6 +83,9 @@ pub struct DaemonConfig {
     pub checksum: ChecksumKind,
     /// Which targets may share merged pages.
     pub domain: DomainPolicy,
+    /// What to do about processes outside the targets, of another domain, that mark their own
+    /// memory mergeable.
+    pub outsiders: OutsiderPolicy,
     /// Where ksmd's sysfs files are.
     pub ksm_root: PathBuf,
     /// Where the settings found at take-over are kept until they are restored.
@@ -109,6 +112,7 @@ impl Default for DaemonConfig {
             dirty: DirtyMode::Auto,
             checksum: ChecksumKind::Xxh64,
             domain: DomainPolicy::Uid,
+            outsiders: OutsiderPolicy::Refuse,
             ksm_root: PathBuf::from(ksmd::KSM_SYSFS),
             ksm_state: PathBuf::from(ksmd::STATE_PATH),
             policy: MergePolicy::default(),
@@ -136,6 +140,9 @@ pub enum DaemonError {
     /// /proc/kpageflags and friends.
     #[error(transparent)]
     Procfs(#[from] ProcfsError),
+    /// Processes outside the targets could probe other domains' pages through ksmd.
+    #[error("processes outside the targets mark their memory mergeable in another merge domain, so ksmd would merge their pages with the targets' and they could probe every page rksm marks: {}; target them too, use one domain (--domain none), or start anyway with --outsiders warn", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "))]
+    MergeableOutsiders(Vec<domains::Outsider>),
 }
 
 /// The counters the daemon reports (names follow /sys/kernel/mm/ksm).
@@ -175,6 +182,9 @@ pub struct DaemonStats {
     /// Targets whose merge domain changed (setuid, a cgroup move), unmarked and placed again.
     #[serde(default)]
     pub domain_changes: u64,
+    /// Processes outside the targets, of another domain, seen marking memory mergeable.
+    #[serde(default)]
+    pub mergeable_outsiders: u64,
     /// Targets refused, by reason.
     pub targets_refused: BTreeMap<String, u64>,
     /// The dirty mode in use.
@@ -310,6 +320,8 @@ pub struct Daemon {
     marking_syscalls: u64,
     /// A pass was cut short by [`Daemon::stop_on`]'s signal.
     stopping: bool,
+    /// Outsiders already warned about.
+    outsiders_seen: HashSet<ProcessId>,
     /// [`remote::eintr_risk`] and [`remote::borrows`] when the daemon started (the counters
     /// are process-wide).
     eintr_risk_at_start: u64,
@@ -387,12 +399,18 @@ impl Daemon {
             eintr_risk_at_start: remote::eintr_risk(),
             borrows_at_start: remote::borrows(),
             stopping: false,
+            outsiders_seen: HashSet::new(),
             ksmd_busy_until: 0,
             ksmd_backlog: KsmdBacklog::default(),
             started: SystemTime::now(),
             last_pass: None,
         };
         daemon.adopt(selection.processes);
+        let outsiders = daemon.new_outsiders();
+        if !outsiders.is_empty() && daemon.config.outsiders == OutsiderPolicy::Refuse {
+            return Err(DaemonError::MergeableOutsiders(outsiders));
+        }
+        daemon.warn_about(&outsiders);
         Ok(daemon)
     }
 
@@ -617,6 +635,8 @@ impl Daemon {
     /// (a `setuid`, a move to another cgroup) takes nothing marked into its new domain: rksm
     /// unmarks what it marked there and places it again, as a new target, next pass.
     fn follow_the_processes(&mut self) {
+        let outsiders = self.new_outsiders();
+        self.warn_about(&outsiders);
         let mut off_limits = Vec::new();
         let mut moved = Vec::new();
         for target in self.targets.values() {
@@ -659,6 +679,36 @@ impl Daemon {
             }
             self.stats.domain_changes += 1;
             self.drop_target(pid);
+        }
+    }
+
+    /// Processes outside the targets, of another domain than some target's, whose memory is
+    /// mergeable, and which have not been warned about yet.
+    fn new_outsiders(&mut self) -> Vec<domains::Outsider> {
+        let pids: HashSet<u32> = self.targets.keys().copied().collect();
+        let names: HashSet<String> = self
+            .targets
+            .values()
+            .map(|t| t.domain_name().to_string())
+            .collect();
+        self.outsiders_seen
+            .retain(|id| ProcessId::of(id.pid) == Some(*id));
+        domains::mergeable_outsiders(self.config.domain, &pids, &names)
+            .into_iter()
+            .filter(|o| ProcessId::of(o.pid).is_some_and(|id| !self.outsiders_seen.contains(&id)))
+            .collect()
+    }
+
+    /// Warns once about each of `outsiders`, and counts them.
+    fn warn_about(&mut self, outsiders: &[domains::Outsider]) {
+        for o in outsiders {
+            if let Some(id) = ProcessId::of(o.pid) {
+                self.outsiders_seen.insert(id);
+            }
+            log::warn!(
+                "{o} marks its memory mergeable outside the targets, in another merge domain: ksmd may merge its pages with a target's, so it can probe what rksm marks"
+            );
+            self.stats.mergeable_outsiders += 1;
         }
     }
 

@@ -257,6 +257,9 @@ pub struct KsmStat {
     /// Bytes KSM saved in the process minus its bookkeeping (`ksm_process_profit`, may be
     /// negative).
     pub process_profit: i64,
+    /// Some of its memory is mergeable, by `madvise` or `PR_SET_MEMORY_MERGE`
+    /// (`ksm_mergeable: yes` or `ksm_merge_any: yes`, Linux 6.8).
+    pub mergeable: bool,
 }
 
 impl KsmStat {
@@ -269,6 +272,7 @@ impl KsmStat {
     /// )
     /// .unwrap();
     /// assert_eq!((stat.merging_pages, stat.process_profit), (5, -20));
+    /// assert!(!stat.mergeable);
     /// ```
     pub fn parse(text: &str) -> Option<KsmStat> {
         let mut stat = KsmStat::default();
@@ -282,6 +286,7 @@ impl KsmStat {
                 "ksm_zero_pages" => stat.zero_pages = value.parse().ok()?,
                 "ksm_rmap_items" => stat.rmap_items = value.parse().ok()?,
                 "ksm_process_profit" => stat.process_profit = value.parse().ok()?,
+                "ksm_mergeable:" | "ksm_merge_any:" => stat.mergeable |= value == "yes",
                 _ => {}
             }
         }
@@ -645,7 +650,7 @@ mod tests {
             );
             proptest::prop_assert_eq!(
                 KsmStat::parse(&text),
-                Some(KsmStat { merging_pages: merging, zero_pages: zero, rmap_items: rmap, process_profit: profit })
+                Some(KsmStat { merging_pages: merging, zero_pages: zero, rmap_items: rmap, process_profit: profit, mergeable: true })
             );
         }
 

@@ -28,7 +28,7 @@ use regex::Regex;
 use serde::{de::Error as _, Deserialize, Deserializer};
 
 use crate::{
-    daemon::{DirtyMode, DomainPolicy},
+    daemon::{DirtyMode, DomainPolicy, OutsiderPolicy},
     engine::checksum::ChecksumKind,
 };
 
@@ -90,6 +90,9 @@ pub struct ConfigFile {
     /// `--domain`.
     #[serde(default, deserialize_with = "parsed")]
     pub domain: Option<DomainPolicy>,
+    /// `--outsiders`: `refuse` or `warn`.
+    #[serde(default, deserialize_with = "parsed")]
+    pub outsiders: Option<OutsiderPolicy>,
     /// `--interval`: seconds between passes.
     #[serde(default, deserialize_with = "seconds")]
     pub interval: Option<f64>,
