@@ -627,6 +627,46 @@ fn a_non_dumpable_process_with_duplicates_is_never_marked() {
 }
 
 #[test]
+fn a_marked_page_rewritten_with_another_domains_content_is_never_merged_across() {
+    require_root();
+    let _turn = ksm_turn();
+    let mut root = TestChild::spawn();
+    let mut user = TestChild::spawn_as_nobody();
+    let (ra, rb) = (root.map(64), user.map(64));
+    root.write(ra, 0, 64, 80);
+    user.write(rb, 0, 64, 81);
+    let user_pid = user.pid_from_proc();
+    let regions = [(root.pid(), ra, 64), (user_pid, rb, 64)];
+    let mut daemon = daemon_with_domains(&regions, DirtyMode::Pagemap, DomainPolicy::Uid);
+    assert!(
+        passes_until(&mut daemon, || ksm_pages(root.pid(), ra, 64).len() == 64
+            && ksm_pages(user_pid, rb, 64).len() == 64),
+        "each domain's own duplicates were not merged"
+    );
+    // The user writes root's content into four pages of its marked range: ksmd would merge
+    // them with root's pages at its next sweep. A write to a marked duplicate counts as a
+    // copy-on-write break, so the region backs off (is unmarked) at the next pass, and the
+    // content, root's, is never the user's domain's to mark again.
+    user.write(rb, 0, 4, 80);
+    let unmarked = passes_until(&mut daemon, || !vma_mergeable(user_pid, rb.base));
+    // ksmd's sweeps, and more passes, change nothing.
+    for _ in 0..6 {
+        daemon.wait(Instant::now() + Duration::from_millis(300), &[]);
+        daemon.pass();
+    }
+    let stats = daemon.finish();
+    assert!(unmarked, "the rewritten pages stayed marked");
+    let merged: Vec<u64> = ksm_pages(user_pid, rb, 64);
+    assert!(
+        merged.iter().all(|&i| i >= 4),
+        "root's content merged into the user's pages: {merged:?}"
+    );
+    assert!(stats.cow_breaks >= 4, "{stats:?}");
+    assert!(user.verify(rb, 0, 4, 80) && user.verify(rb, 4, 60, 81));
+    assert!(root.verify(ra, 0, 64, 80));
+}
+
+#[test]
 fn a_process_that_calls_setuid_moves_domain_and_is_unmarked() {
     require_root();
     let _turn = ksm_turn();
