@@ -148,9 +148,7 @@ impl Process {
         if process.has_exited() {
             return Err(TargetError::NotFound(pid));
         }
-        let reason = stat
-            .refusal()
-            .or_else(|| (!is_dumpable(tgid, stat.uids[0])).then_some(RefusalReason::NonDumpable));
+        let reason = stat.refusal().or_else(|| stat.non_dumpable());
         if let Some(reason) = reason {
             return Err(TargetError::Refused {
                 pid: tgid,
@@ -216,9 +214,7 @@ impl Process {
         let stat = ProcStat::read(self.pid).ok()?;
         stat.refusal()
             .filter(|r| matches!(r, RefusalReason::SetId))
-            .or_else(|| {
-                (!is_dumpable(self.pid, stat.uids[0])).then_some(RefusalReason::NonDumpable)
-            })
+            .or_else(|| stat.non_dumpable())
     }
 
     /// True once the process has exited (its pidfd became readable). Never blocks.
@@ -314,6 +310,11 @@ impl ProcStat {
         })
     }
 
+    /// `NonDumpable` if the process made itself so (asks the kernel, see [`is_dumpable`]).
+    fn non_dumpable(&self) -> Option<RefusalReason> {
+        (!is_dumpable(self.tgid, self.uids[0])).then_some(RefusalReason::NonDumpable)
+    }
+
     fn refusal(&self) -> Option<RefusalReason> {
         if self.flags & PF_KTHREAD != 0 {
             Some(RefusalReason::KernelThread)
@@ -340,7 +341,7 @@ impl ProcStat {
 /// (`task_dump_owner`), so a process of a user whose /proc/PID/status belongs to root has
 /// made itself non-dumpable. For a process running as root the two cannot be told apart,
 /// and none needs to be: its memory is root's, as rksm is.
-pub fn is_dumpable(pid: u32, uid: u32) -> bool {
+fn is_dumpable(pid: u32, uid: u32) -> bool {
     use std::os::unix::fs::MetadataExt;
     match fs::metadata(format!("/proc/{pid}/status")) {
         Ok(meta) => uid == 0 || meta.uid() == uid,

@@ -408,17 +408,25 @@ fn is_32bit_program(pid: u32) -> bool {
 }
 
 /// Checks whether `pid` can be borrowed, without touching it.
+///
+/// The daemon asks this of every target every pass, so the threads are looked at one by one
+/// only when the main thread is in a disk wait: otherwise the main thread itself could be
+/// borrowed, and [`RemoteSession::begin`] picks the best one when it is needed.
 pub fn check_borrowable(pid: u32) -> Result<(), RemoteError> {
     let status =
         fs::read_to_string(format!("/proc/{pid}/status")).map_err(|_| RemoteError::Gone(pid))?;
     let refused = |reason| Err(RemoteError::Refused { pid, reason });
-    if let Some(reason) = BorrowStatus::parse(&status).and_then(|s| s.refusal()) {
+    let status = BorrowStatus::parse(&status);
+    if let Some(reason) = status.as_ref().and_then(BorrowStatus::refusal) {
         return refused(reason);
     }
     if is_32bit_program(pid) {
         return refused(RemoteRefusal::Compat);
     }
-    choose_thread(pid).map(drop)
+    match status {
+        Some(s) if s.state == 'D' => choose_thread(pid).map(drop),
+        _ => Ok(()),
+    }
 }
 
 /// Finds a `syscall` instruction (0f 05) in the process's vDSO.
