@@ -4,18 +4,19 @@
 //! One rksm daemon owns ksmd at a time, so the scenarios here take turns.
 
 use std::{
+    collections::HashSet,
     process::Stdio,
     time::{Duration, Instant},
 };
 
 use rksm::{
-    daemon::{Daemon, DaemonConfig, DaemonStats, DirtyMode, DomainPolicy},
+    daemon::{Daemon, DaemonConfig, DaemonStats, DirtyMode, DomainPolicy, OutsiderPolicy},
     engine::{checksum::ChecksumKind, targets::TargetSpec},
 };
 use rksm_tests::{
     any_vma_mergeable, blocked_syscall, fd_count, ksm_merging_pages, ksm_pages, ksm_turn,
-    ksmd_settings, proc_status, require_root, rksm_command, twins, vma_mergeable, wait_for, Region,
-    TestChild, PAGE,
+    ksmd_settings, page_frames, proc_status, require_root, rksm_command, twins, vma_mergeable,
+    wait_for, Region, TestChild, PAGE,
 };
 
 /// A daemon over exactly these regions, in `mode`.
@@ -664,6 +665,134 @@ fn a_marked_page_rewritten_with_another_domains_content_is_never_merged_across()
     assert!(stats.cow_breaks >= 4, "{stats:?}");
     assert!(user.verify(rb, 0, 4, 80) && user.verify(rb, 4, 60, 81));
     assert!(root.verify(ra, 0, 64, 80));
+}
+
+#[test]
+fn a_prober_outside_the_targets_that_merges_with_a_domains_pages_is_undone() {
+    require_root();
+    let _turn = ksm_turn();
+    let mut root = TestChild::spawn();
+    let mut user = TestChild::spawn_as_nobody();
+    let mut prober = TestChild::spawn_as_nobody();
+    let (ra, rb, rp) = (root.map(64), user.map(64), prober.map(16));
+    root.write(ra, 0, 64, 82);
+    user.write(rb, 0, 64, 83);
+    // Another user's process, not a target, marks its own memory and fills it with copies of
+    // root's duplicated pages: once ksmd merges them, a copy-on-write timing would tell it so.
+    prober.write(rp, 0, 16, 82);
+    prober.command(&format!("mergeable {}", rp.id));
+    let (user_pid, prober_pid) = (user.pid_from_proc(), prober.pid_from_proc());
+    let regions = [(root.pid(), ra, 64), (user_pid, rb, 64)];
+    let mut daemon = Daemon::start(DaemonConfig {
+        domain: DomainPolicy::Uid,
+        outsiders: OutsiderPolicy::Warn,
+        targets: TargetSpec {
+            pids: vec![root.pid(), user_pid],
+            ..TargetSpec::default()
+        },
+        dirty: DirtyMode::Pagemap,
+        only_ranges: regions
+            .iter()
+            .map(|&(pid, r, pages)| (pid, r.base, r.base + pages * PAGE))
+            .collect(),
+        ..DaemonConfig::default()
+    })
+    .expect("starts, warning about the prober");
+    let shares_a_frame = |a: u32, ra: Region, pa: u64, b: u32, rb: Region, pb: u64| {
+        let theirs: HashSet<u64> = page_frames(b, rb, pb).into_iter().flatten().collect();
+        page_frames(a, ra, pa)
+            .into_iter()
+            .flatten()
+            .any(|f| theirs.contains(&f))
+    };
+    // Root's pages are marked; ksmd merges the prober's copies into root's frames; the next
+    // look finds frames mapped by two domains and unmarks root's side (the prober is never
+    // touched), and the content is never marked again.
+    let crossed = || shares_a_frame(root.pid(), ra, 64, prober_pid, rp, 16);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut undone = false;
+    while !undone && Instant::now() < deadline {
+        daemon.pass();
+        undone = daemon.stats().cross_domain_merges > 0 && !crossed();
+        daemon.wait(Instant::now() + Duration::from_millis(300), &[]);
+    }
+    for _ in 0..6 {
+        daemon.wait(Instant::now() + Duration::from_millis(300), &[]);
+        daemon.pass();
+        assert!(!crossed(), "root's pages merged with the prober's again");
+    }
+    let stats = daemon.finish();
+    assert!(undone, "{stats:?}");
+    assert!(stats.cross_domain_unmarked >= 1, "{stats:?}");
+    assert!(
+        !vma_mergeable(root.pid(), ra.base),
+        "root's pages still marked"
+    );
+    assert!(!shares_a_frame(root.pid(), ra, 64, user_pid, rb, 64));
+    assert_eq!(
+        ksm_pages(user_pid, rb, 64).len(),
+        64,
+        "the user's own merges stay"
+    );
+    assert_eq!(proc_status(prober_pid, "TracerPid:"), "0");
+    assert!(
+        vma_mergeable(prober_pid, rp.base),
+        "the prober's own mark was changed"
+    );
+    assert!(root.verify(ra, 0, 64, 82) && user.verify(rb, 0, 64, 83));
+    assert!(prober.verify(rp, 0, 16, 82));
+    eprintln!(
+        "{} frames found in {} looks ({:.1} ms), {} pages unmarked",
+        stats.cross_domain_merges,
+        stats.cross_domain_checks,
+        stats.cross_domain_check_ns as f64 / 1e6,
+        stats.cross_domain_unmarked
+    );
+}
+
+#[test]
+fn with_several_domains_a_written_marked_page_is_unmarked_before_the_next_pass() {
+    require_root();
+    let _turn = ksm_turn();
+    for mode in [DirtyMode::Pagemap, DirtyMode::Ebpf] {
+        let mut root = TestChild::spawn();
+        let mut user = TestChild::spawn_as_nobody();
+        let (ra, rb) = (root.map(64), user.map(64));
+        root.write(ra, 0, 64, 84);
+        user.write(rb, 0, 64, 85);
+        let user_pid = user.pid_from_proc();
+        let regions = [(root.pid(), ra, 64), (user_pid, rb, 64)];
+        let mut daemon = daemon_with_domains(&regions, mode, DomainPolicy::Uid);
+        assert!(
+            passes_until(&mut daemon, || ksm_pages(user_pid, rb, 64).len() == 64),
+            "{mode}: the user's duplicates were not merged"
+        );
+        // The user writes root's content into a merged page. No pass runs: the daemon only
+        // waits, draining the tracer, and unmarks the region on the write it sees.
+        let written = Instant::now();
+        user.write(rb, 0, 1, 84);
+        let mut unmarked = None;
+        while written.elapsed() < Duration::from_secs(10) {
+            daemon.wait(Instant::now() + Duration::from_millis(1), &[]);
+            if !vma_mergeable(user_pid, rb.base) {
+                unmarked = Some(written.elapsed());
+                break;
+            }
+        }
+        let passes = daemon.stats().full_scans;
+        daemon.pass();
+        let stats = daemon.finish();
+        let unmarked = unmarked.unwrap_or_else(|| panic!("{mode}: still marked after 10 s"));
+        eprintln!(
+            "{mode}: write to unmark {:.1} ms",
+            unmarked.as_secs_f64() * 1e3
+        );
+        assert_eq!(stats.full_scans, passes + 1);
+        assert!(stats.cow_breaks >= 1, "{mode}: {stats:?}");
+        assert!(!ksm_pages(user_pid, rb, 64).contains(&0));
+        assert!(user.verify(rb, 0, 1, 84) && user.verify(rb, 1, 63, 85));
+        assert!(root.verify(ra, 0, 64, 84));
+    }
 }
 
 #[test]

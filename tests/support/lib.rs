@@ -500,27 +500,34 @@ pub fn blocked_syscall(pid: u32) -> String {
         .to_string()
 }
 
-/// The indices of `region`'s first `pages` pages that the kernel shows mapped to KSM pages
-/// (pagemap gives the frame, /proc/kpageflags bit 21 says KSM).
-pub fn ksm_pages(pid: u32, region: Region, pages: u64) -> Vec<u64> {
+/// The frame (pagemap PFN) of each of `region`'s first `pages` pages, None where absent.
+pub fn page_frames(pid: u32, region: Region, pages: u64) -> Vec<Option<u64>> {
     use std::os::unix::fs::FileExt;
     let pagemap = std::fs::File::open(format!("/proc/{pid}/pagemap")).expect("pagemap");
-    let kpageflags = std::fs::File::open("/proc/kpageflags").expect("kpageflags");
     let mut raw = vec![0u8; pages as usize * 8];
     pagemap
         .read_exact_at(&mut raw, region.base / PAGE * 8)
         .expect("pagemap read");
+    raw.chunks_exact(8)
+        .map(|entry| {
+            let entry = u64::from_ne_bytes(entry.try_into().unwrap());
+            (entry >> 63 == 1).then_some(entry & ((1 << 55) - 1))
+        })
+        .collect()
+}
+
+/// The indices of `region`'s first `pages` pages that the kernel shows mapped to KSM pages
+/// (pagemap gives the frame, /proc/kpageflags bit 21 says KSM).
+pub fn ksm_pages(pid: u32, region: Region, pages: u64) -> Vec<u64> {
+    use std::os::unix::fs::FileExt;
+    let kpageflags = std::fs::File::open("/proc/kpageflags").expect("kpageflags");
     (0..pages)
-        .filter(|&i| {
-            let entry =
-                u64::from_ne_bytes(raw[i as usize * 8..i as usize * 8 + 8].try_into().unwrap());
-            if entry >> 63 == 0 {
-                return false;
-            }
-            let pfn = entry & ((1 << 55) - 1);
+        .zip(page_frames(pid, region, pages))
+        .filter_map(|(i, pfn)| {
             let mut flags = [0u8; 8];
-            kpageflags.read_exact_at(&mut flags, pfn * 8).is_ok()
-                && u64::from_ne_bytes(flags) >> 21 & 1 == 1
+            (kpageflags.read_exact_at(&mut flags, pfn? * 8).is_ok()
+                && u64::from_ne_bytes(flags) >> 21 & 1 == 1)
+                .then_some(i)
         })
         .collect()
 }

@@ -106,6 +106,17 @@ fn human(s: &Status, now: SystemTime) -> String {
             .collect();
         text += &format!("refused: {}\n", refused.join(", "));
     }
+    if c.domain_changes + c.mergeable_outsiders + c.cross_domain_checks > 0 {
+        text += &format!(
+            "domains: {} targets moved domain, {} outsiders marking their own memory; {} KSM frames found merged across domains in {} looks ({:.1} ms), {} target pages unmarked for it\n",
+            c.domain_changes,
+            c.mergeable_outsiders,
+            c.cross_domain_merges,
+            c.cross_domain_checks,
+            c.cross_domain_check_ns as f64 / 1e6,
+            c.cross_domain_unmarked
+        );
+    }
     if let Some(run) = c.ksmd_taken_back {
         text += &format!("ksmd: run set to {run} by someone else; rksm no longer paces it\n");
     }

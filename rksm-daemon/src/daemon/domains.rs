@@ -134,6 +134,9 @@ pub struct Domains {
     next: u32,
     /// Content checksum → (owning domain, targets that claimed it).
     owners: HashMap<u64, (u32, usize)>,
+    /// Contents found merged across domains: no domain marks them again. A prober that
+    /// guessed one learns it once; the targets holding it stop sharing it.
+    contested: HashSet<u64>,
 }
 
 impl Domains {
@@ -180,9 +183,33 @@ impl Domains {
         self.owners.len()
     }
 
+    /// The number of domain `name`, if a target is in it.
+    pub fn id_of(&self, name: &str) -> Option<u32> {
+        self.ids.get(name).map(|&(id, _)| id)
+    }
+
+    /// The domain that owns content `sum`, if one does.
+    pub fn owner(&self, sum: u64) -> Option<u32> {
+        self.owners.get(&sum).map(|&(owner, _)| owner)
+    }
+
+    /// Content `sum` was found merged across domains: no domain may mark it from now on.
+    pub fn contest(&mut self, sum: u64) {
+        self.contested.insert(sum);
+    }
+
+    /// Contents found merged across domains.
+    pub fn contested(&self) -> usize {
+        self.contested.len()
+    }
+
     /// Whether a target of domain `id`, which has claimed `claimed`, may mark content `sum`:
-    /// yes if no domain owns it yet (it then owns it) or if `id` does.
+    /// yes if no domain owns it yet (it then owns it) or if `id` does, and it was never
+    /// found merged across domains.
     pub fn claim(&mut self, sum: u64, id: u32, claimed: &mut HashSet<u64>) -> bool {
+        if self.contested.contains(&sum) {
+            return false;
+        }
         if claimed.contains(&sum) {
             return self.owners.get(&sum).is_some_and(|&(owner, _)| owner == id);
         }
@@ -231,5 +258,19 @@ mod tests {
         assert!(domains.leave("uid 1000", &claims_b));
         assert_eq!((domains.count(), domains.owned_contents()), (0, 0));
         assert_ne!(domains.join("uid 0"), a, "numbers are never reused");
+    }
+
+    #[test]
+    fn a_contested_content_is_no_domains_to_mark() {
+        let mut domains = Domains::default();
+        let a = domains.join("uid 0");
+        let mut claims = HashSet::new();
+        assert!(domains.claim(7, a, &mut claims));
+        assert_eq!(domains.owner(7), Some(a));
+        assert_eq!(domains.id_of("uid 0"), Some(a));
+        domains.contest(7);
+        assert!(!domains.claim(7, a, &mut claims), "not even its owner's");
+        assert!(domains.claim(8, a, &mut claims), "other contents are");
+        assert_eq!(domains.contested(), 1);
     }
 }

@@ -12,6 +12,7 @@
 //! Everything about one process lives in its [`Target`] record, which the daemon owns and
 //! lends to the scan and the marking; dropping the record drops all of it.
 
+pub mod crossings;
 pub mod domains;
 
 use std::{
@@ -36,7 +37,7 @@ use crate::{
         tracer::{Tracer, TracerConfig, TracerError},
     },
     engine::{
-        checksum::ChecksumKind,
+        checksum::{ChecksumKind, NO_CHECKSUM},
         dirty::{DirtySource, EbpfSource, HashOnly, PagemapSource, DEFAULT_AUDIT_PASSES},
         merge::{Marker, MergePolicy, Run, REGION_SHIFT},
         scan::{PassReport, ScanConfig, Scanner},
@@ -185,6 +186,18 @@ pub struct DaemonStats {
     /// Processes outside the targets, of another domain, seen marking memory mergeable.
     #[serde(default)]
     pub mergeable_outsiders: u64,
+    /// KSM frames found mapped in more than one merge domain (each time one is found).
+    #[serde(default)]
+    pub cross_domain_merges: u64,
+    /// Pages of targets unmarked (and so unmerged) because their frame crossed domains.
+    #[serde(default)]
+    pub cross_domain_unmarked: u64,
+    /// Looks for frames mapped in more than one domain, and the time they took.
+    #[serde(default)]
+    pub cross_domain_checks: u64,
+    /// Time spent looking, all looks.
+    #[serde(default)]
+    pub cross_domain_check_ns: u64,
     /// Targets refused, by reason.
     pub targets_refused: BTreeMap<String, u64>,
     /// The dirty mode in use.
@@ -322,6 +335,14 @@ pub struct Daemon {
     stopping: bool,
     /// Outsiders already warned about.
     outsiders_seen: HashSet<ProcessId>,
+    /// Outsiders of another domain with mergeable memory, as of this pass.
+    outsiders: Vec<domains::Outsider>,
+    /// What the last look for frames across domains was taken over.
+    crossings_looked_at: Option<crossings::Inputs>,
+    /// Targets whose own marks crossed domains, warned about once.
+    self_marked_warned: HashSet<ProcessId>,
+    /// More than one merge domain among the targets and the mergeable outsiders.
+    several_domains: bool,
     /// [`remote::eintr_risk`] and [`remote::borrows`] when the daemon started (the counters
     /// are process-wide).
     eintr_risk_at_start: u64,
@@ -400,6 +421,10 @@ impl Daemon {
             borrows_at_start: remote::borrows(),
             stopping: false,
             outsiders_seen: HashSet::new(),
+            outsiders: Vec::new(),
+            crossings_looked_at: None,
+            self_marked_warned: HashSet::new(),
+            several_domains: false,
             ksmd_busy_until: 0,
             ksmd_backlog: KsmdBacklog::default(),
             started: SystemTime::now(),
@@ -475,6 +500,7 @@ impl Daemon {
         self.drop_lost(&report);
         between_scan_and_mark();
         let cow_breaks = self.account_cow_breaks(&report, now);
+        self.undo_crossings();
         let runs_marked = self.mark(&report, now);
         let sharing_before = self.stats.pages_sharing;
         self.account(&report);
@@ -693,9 +719,11 @@ impl Daemon {
             .collect();
         self.outsiders_seen
             .retain(|id| ProcessId::of(id.pid) == Some(*id));
-        domains::mergeable_outsiders(self.config.domain, &pids, &names)
-            .into_iter()
+        self.outsiders = domains::mergeable_outsiders(self.config.domain, &pids, &names);
+        self.outsiders
+            .iter()
             .filter(|o| ProcessId::of(o.pid).is_some_and(|id| !self.outsiders_seen.contains(&id)))
+            .cloned()
             .collect()
     }
 
@@ -775,21 +803,197 @@ impl Daemon {
                 target.merged.extend(merged.iter().copied());
             }
         }
-        // Backing off unmarks the region, so ksmd stops merging pages that do not stay merged.
         for (pid, region) in backed_off {
-            let Some(target) = self.targets.get_mut(&pid) else {
-                continue;
-            };
-            let (start, end) = (region << REGION_SHIFT, (region + 1) << REGION_SHIFT);
-            let runs: Vec<Run> = target.marked.within(Range::new(start, end));
-            log::info!("pid {pid}: merged pages in {start:#x}-{end:#x} keep breaking; backing off");
-            match self.marker.unmark(target, &runs) {
-                Ok(outcome) => self.marking_syscalls += outcome.remote_syscalls,
-                Err(e) => log::warn!("pid {pid}: unmarking a backed-off region: {e}"),
-            }
+            self.unmark_region(pid, region);
         }
         self.stats.cow_breaks += breaks;
         breaks
+    }
+
+    /// Backing off unmarks the region, so ksmd stops merging pages that do not stay merged.
+    fn unmark_region(&mut self, pid: u32, region: u64) {
+        let Some(target) = self.targets.get_mut(&pid) else {
+            return;
+        };
+        let (start, end) = (region << REGION_SHIFT, (region + 1) << REGION_SHIFT);
+        let runs: Vec<Run> = target.marked.within(Range::new(start, end));
+        log::info!("pid {pid}: merged pages in {start:#x}-{end:#x} keep breaking; backing off");
+        match self.marker.unmark(target, &runs) {
+            Ok(outcome) => self.marking_syscalls += outcome.remote_syscalls,
+            Err(e) => log::warn!("pid {pid}: unmarking a backed-off region: {e}"),
+        }
+    }
+
+    /// Between passes, with more than one merge domain: a write the tracer saw on a marked
+    /// duplicate may put another domain's content there, and ksmd, if it is sweeping, would
+    /// merge it before the next pass looks. So its region backs off now, as the next pass
+    /// would have done (the pass then finds it backed off already and counts the break).
+    fn back_off_written_marks(&mut self, written: Vec<(u32, u64)>) {
+        let now = self.stats.full_scans;
+        let mut backed_off = Vec::new();
+        for (pid, page) in written {
+            let Some(target) = self.targets.get_mut(&pid) else {
+                continue;
+            };
+            if target.merged.contains(&page) && target.backoff.hit(page >> REGION_SHIFT, now) {
+                backed_off.push((pid, page >> REGION_SHIFT));
+            }
+        }
+        for (pid, region) in backed_off {
+            self.unmark_region(pid, region);
+        }
+    }
+
+    /// Step 4b: finds KSM frames mapped in more than one merge domain ([`crossings`]), counts
+    /// and logs them, and undoes them in the targets: the mappings of the domains that must
+    /// give way are unmarked (which unmerges them), and the content is never marked again in
+    /// any domain. Only ksmd merges, so a look is taken only with more than one domain among
+    /// the targets and the mergeable outsiders, and only if ksmd has scanned since the last
+    /// look or who is in which domain changed: after convergence, with ksmd idle, it costs
+    /// nothing. A look reads smaps and pagemap of every mergeable VMA of those processes.
+    fn undo_crossings(&mut self) {
+        let mut mappers: Vec<crossings::Mapper> = self
+            .targets
+            .values()
+            .filter(|t| !t.skipped())
+            .map(|t| crossings::Mapper {
+                pid: t.pid(),
+                domain: t.domain(),
+                target: true,
+            })
+            .collect();
+        // Outsiders of a domain no target is in get numbers of their own, from the top.
+        let mut strangers: Vec<&str> = Vec::new();
+        for o in &self.outsiders {
+            let domain = self.domains.id_of(&o.domain).unwrap_or_else(|| {
+                let n = strangers
+                    .iter()
+                    .position(|&d| d == o.domain)
+                    .unwrap_or_else(|| {
+                        strangers.push(&o.domain);
+                        strangers.len() - 1
+                    });
+                u32::MAX - n as u32
+            });
+            mappers.push(crossings::Mapper {
+                pid: o.pid,
+                domain,
+                target: false,
+            });
+        }
+        let domains: HashSet<u32> = mappers.iter().map(|m| m.domain).collect();
+        self.several_domains = domains.len() > 1;
+        if !self.several_domains {
+            self.crossings_looked_at = None;
+            return;
+        }
+        let scanned = ksmd::counters(&self.config.ksm_root)
+            .ok()
+            .and_then(|k| k.pages_scanned);
+        let inputs = crossings::Inputs::new(scanned, &mappers);
+        if inputs.unchanged_since(self.crossings_looked_at.as_ref()) {
+            return;
+        }
+        self.crossings_looked_at = Some(inputs);
+        let Ok(kpageflags) = procfs::KpageFlags::open() else {
+            return;
+        };
+        let started = Instant::now();
+        let found = crossings::find(&mappers, &kpageflags);
+        self.stats.cross_domain_checks += 1;
+        self.stats.cross_domain_check_ns += started.elapsed().as_nanos() as u64;
+        if found.crossings.is_empty() {
+            return;
+        }
+        // Which pages of which targets give way; their contents are contested from now on.
+        let mut give_way: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
+        for crossing in &found.crossings {
+            let sum_of = |m: &crossings::Mapping| {
+                let info = self.targets.get(&m.pid)?.pages.get(m.addr)?;
+                (info.checksum != NO_CHECKSUM).then_some(info.checksum)
+            };
+            let sum = crossing.mappings.iter().find_map(sum_of);
+            let owner = sum.and_then(|s| self.domains.owner(s));
+            for m in crossing.to_undo(owner) {
+                give_way.entry(m.pid).or_default().push(m.addr);
+            }
+            if let Some(sum) = sum {
+                self.domains.contest(sum);
+            }
+        }
+        let described: Vec<String> = found
+            .crossings
+            .iter()
+            .take(4)
+            .map(|c| self.describe(c))
+            .collect();
+        log::warn!(
+            "{} KSM frames were mapped in more than one merge domain ({}{}); unmarking them in the targets that must give way",
+            found.crossings.len(),
+            described.join("; "),
+            if found.crossings.len() > 4 { "; ..." } else { "" }
+        );
+        self.stats.cross_domain_merges += found.crossings.len() as u64;
+        for (pid, mut pages) in give_way {
+            let Some(target) = self.targets.get_mut(&pid) else {
+                continue;
+            };
+            pages.sort_unstable();
+            pages.dedup();
+            let mut runs: Vec<Run> = Vec::new();
+            for &page in &pages {
+                target.merged.remove(&page);
+                target.candidates.remove(&page);
+                match runs.last_mut() {
+                    Some(run) if run.end == page => run.end += PAGE_SIZE,
+                    _ => runs.push(Range::new(page, page + PAGE_SIZE)),
+                }
+            }
+            // What rksm marked is unmarked; what the process marked itself is its own.
+            let mut mine: Vec<Run> = Vec::new();
+            let mut theirs = false;
+            for run in runs {
+                mine.extend(target.marked.within(run));
+                theirs |= !target.marked.minus(&[run]).is_empty();
+            }
+            if theirs && self.self_marked_warned.insert(target.id()) {
+                log::warn!(
+                    "pid {pid} marks its own memory mergeable, and some of it was merged across merge domains; rksm does not undo a process's own marks"
+                );
+            }
+            match self.marker.unmark(target, &mine) {
+                Ok(outcome) => {
+                    self.marking_syscalls += outcome.remote_syscalls;
+                    self.stats.cross_domain_unmarked += outcome.pages;
+                }
+                Err(e) => log::warn!("pid {pid}: unmarking pages merged across domains: {e}"),
+            }
+        }
+    }
+
+    /// One crossing, for the log: who maps the frame, in which domain.
+    fn describe(&self, crossing: &crossings::Crossing) -> String {
+        let mut who: Vec<String> = crossing
+            .mappings
+            .iter()
+            .map(|m| {
+                let domain = self
+                    .targets
+                    .get(&m.pid)
+                    .map(|t| t.domain_name().to_string())
+                    .or_else(|| {
+                        self.outsiders
+                            .iter()
+                            .find(|o| o.pid == m.pid)
+                            .map(|o| o.domain.clone())
+                    })
+                    .unwrap_or_default();
+                let kind = if m.target { "target" } else { "outsider" };
+                format!("{kind} pid {} ({})", m.pid, procfs::printable(&domain))
+            })
+            .collect();
+        who.dedup();
+        format!("frame {:#x}: {}", crossing.pfn, who.join(", "))
     }
 
     /// Step 5: marks the new duplicate runs of every target; returns how many were marked.
@@ -995,7 +1199,12 @@ impl Daemon {
             drop(fds);
             drop(recorder_ref);
             if let Some(r) = &recorder {
-                r.borrow_mut().drain();
+                let mut r = r.borrow_mut();
+                r.drain();
+                r.log_mut().watch_fresh(self.several_domains);
+                let written = r.log_mut().take_fresh();
+                drop(r);
+                self.back_off_written_marks(written);
             }
             if ring_woke {
                 ring_quiet_until = Instant::now() + DRAIN_EVERY;

@@ -121,6 +121,12 @@ impl Recorder {
         &self.log
     }
 
+    /// What was drained so far and not taken, to watch what arrives (see
+    /// [`WriteLog::take_fresh`]).
+    pub fn log_mut(&mut self) -> &mut WriteLog {
+        &mut self.log
+    }
+
     /// Write faults and losses the program counted for `pid` since it was tracked.
     pub fn counters(&self, pid: u32) -> (u64, u64) {
         self.tracer

@@ -288,13 +288,32 @@ impl FromRingBytes for WriteRecord {
 pub struct WriteLog {
     pages: HashMap<u32, HashSet<u64>>,
     faults: HashMap<u32, u64>,
+    /// Pages first seen written since the last [`WriteLog::take_fresh`], when watched.
+    fresh: Option<Vec<(u32, u64)>>,
 }
 
 impl WriteLog {
     /// Notes that `tgid` wrote `page` (a page-aligned virtual address).
     pub fn record(&mut self, tgid: u32, page: u64) {
-        self.pages.entry(tgid).or_default().insert(page);
+        if self.pages.entry(tgid).or_default().insert(page) {
+            if let Some(fresh) = &mut self.fresh {
+                fresh.push((tgid, page));
+            }
+        }
         *self.faults.entry(tgid).or_default() += 1;
+    }
+
+    /// Starts or stops keeping the pages first seen written, for [`WriteLog::take_fresh`].
+    pub fn watch_fresh(&mut self, on: bool) {
+        if on != self.fresh.is_some() {
+            self.fresh = on.then(Vec::new);
+        }
+    }
+
+    /// The (tgid, page) pairs first seen written since the last call, while watched: what
+    /// arrived since, without taking anything from the log.
+    pub fn take_fresh(&mut self) -> Vec<(u32, u64)> {
+        self.fresh.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     /// The distinct pages `tgid` was seen writing.

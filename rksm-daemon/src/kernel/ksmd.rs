@@ -85,6 +85,9 @@ pub struct KsmdCounters {
     pub pages_volatile: u64,
     /// Complete sweeps of the mergeable areas.
     pub full_scans: u64,
+    /// Pages ksmd has looked at since boot (Linux 6.7 and later): unchanged, it has merged
+    /// nothing since.
+    pub pages_scanned: Option<u64>,
 }
 
 fn read_number(path: &Path) -> Result<u64, KsmdError> {
@@ -113,6 +116,7 @@ pub fn counters(root: &Path) -> Result<KsmdCounters, KsmdError> {
         pages_unshared: get("pages_unshared")?,
         pages_volatile: get("pages_volatile")?,
         full_scans: get("full_scans")?,
+        pages_scanned: get("pages_scanned").ok(),
     })
 }
 

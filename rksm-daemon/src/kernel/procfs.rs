@@ -220,6 +220,33 @@ pub fn read_maps(pid: u32) -> Result<Vec<Vma>, ProcfsError> {
     Ok(vmas)
 }
 
+/// The VMAs of `pid` that ksmd may merge (`mg` among their VmFlags in /proc/PID/smaps):
+/// those rksm marked and those the process marked itself (`MADV_MERGEABLE`,
+/// `PR_SET_MEMORY_MERGE`). smaps is the only place the kernel says so; reading it walks the
+/// process's page tables, so it is for occasional checks, not for every page of a pass.
+pub fn mergeable_ranges(pid: u32) -> Result<Vec<Range>, ProcfsError> {
+    let path = PathBuf::from(format!("/proc/{pid}/smaps"));
+    let text = std::fs::read_to_string(&path).map_err(|e| io_error(pid, path, e))?;
+    Ok(parse_mergeable_ranges(&text))
+}
+
+fn parse_mergeable_ranges(smaps: &str) -> Vec<Range> {
+    let mut ranges = Vec::new();
+    let mut current = None;
+    for line in smaps.lines() {
+        if let Some(flags) = line.strip_prefix("VmFlags:") {
+            if let Some(vma) = current.take() {
+                if flags.split_whitespace().any(|f| f == "mg") {
+                    ranges.push(vma);
+                }
+            }
+        } else if let Some(vma) = Vma::parse(line) {
+            current = Some(Range::new(vma.start, vma.end));
+        }
+    }
+    ranges
+}
+
 /// Field `n` of a /proc/PID/stat line, numbered as in proc_pid_stat(5): 3 is the state, 4 the
 /// parent pid, and so on (`n` >= 3). The command name (field 2) may itself hold spaces and
 /// parentheses, so the fields after it start after the *last* `)`.
@@ -519,6 +546,26 @@ pub fn printable(text: &str) -> std::borrow::Cow<'_, str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mergeable_ranges_are_the_vmas_flagged_mg() {
+        let smaps = "\
+7f0000-800000 rw-p 00000000 00:00 0 
+Rss:                  64 kB
+VmFlags: rd wr mr mw me ac mg 
+800000-900000 rw-p 00000000 00:00 0 
+VmFlags: rd wr mr mw me ac 
+55d000-55e000 r--p 00000000 08:01 1234                       /usr/bin/mg
+VmFlags: rd mr mw me mg 
+";
+        assert_eq!(
+            parse_mergeable_ranges(smaps),
+            [
+                Range::new(0x7f_0000, 0x80_0000),
+                Range::new(0x55_d000, 0x55_e000)
+            ]
+        );
+    }
 
     #[test]
     fn parses_the_kinds_of_maps_lines() {

@@ -223,7 +223,7 @@ fn render(status: &Status, per_target: bool) -> String {
         )],
     );
     let last = status.last_pass.as_ref();
-    let daemon_wide: [(&str, &str, &str, f64); 12] = [
+    let daemon_wide: [(&str, &str, &str, f64); 16] = [
         (
             "full_scans",
             "counter",
@@ -289,6 +289,30 @@ fn render(status: &Status, per_target: bool) -> String {
             "counter",
             "Borrows that may have made a target see EINTR.",
             c.eintr_risk as f64,
+        ),
+        (
+            "cross_domain_merges",
+            "counter",
+            "KSM frames found mapped in more than one merge domain.",
+            c.cross_domain_merges as f64,
+        ),
+        (
+            "cross_domain_unmarked",
+            "counter",
+            "Pages of targets unmarked because their frame was merged across domains.",
+            c.cross_domain_unmarked as f64,
+        ),
+        (
+            "mergeable_outsiders",
+            "counter",
+            "Processes outside the targets, of another domain, seen marking memory mergeable.",
+            c.mergeable_outsiders as f64,
+        ),
+        (
+            "domain_changes",
+            "counter",
+            "Targets whose merge domain changed, unmarked and placed again.",
+            c.domain_changes as f64,
         ),
         (
             "regions_backed_off",
