@@ -627,16 +627,49 @@ fn a_non_dumpable_process_with_duplicates_is_never_marked() {
     assert!(secretive.verify(rb, 0, 64, 79));
 }
 
+/// A root process and a `nobody` process, each holding 64 pages of one content.
+struct TwoUsers {
+    root: TestChild,
+    user: TestChild,
+    ra: Region,
+    rb: Region,
+    user_pid: u32,
+}
+
+impl TwoUsers {
+    fn spawn(root_seed: u64, user_seed: u64) -> TwoUsers {
+        let mut root = TestChild::spawn();
+        let mut user = TestChild::spawn_as_nobody();
+        let (ra, rb) = (root.map(64), user.map(64));
+        root.write(ra, 0, 64, root_seed);
+        user.write(rb, 0, 64, user_seed);
+        let user_pid = user.pid_from_proc();
+        TwoUsers {
+            root,
+            user,
+            ra,
+            rb,
+            user_pid,
+        }
+    }
+
+    /// Both regions, for a daemon over exactly them.
+    fn regions(&self) -> [(u32, Region, u64); 2] {
+        [(self.root.pid(), self.ra, 64), (self.user_pid, self.rb, 64)]
+    }
+}
+
 #[test]
 fn a_marked_page_rewritten_with_another_domains_content_is_never_merged_across() {
     require_root();
     let _turn = ksm_turn();
-    let mut root = TestChild::spawn();
-    let mut user = TestChild::spawn_as_nobody();
-    let (ra, rb) = (root.map(64), user.map(64));
-    root.write(ra, 0, 64, 80);
-    user.write(rb, 0, 64, 81);
-    let user_pid = user.pid_from_proc();
+    let TwoUsers {
+        mut root,
+        mut user,
+        ra,
+        rb,
+        user_pid,
+    } = TwoUsers::spawn(80, 81);
     let regions = [(root.pid(), ra, 64), (user_pid, rb, 64)];
     let mut daemon = daemon_with_domains(&regions, DirtyMode::Pagemap, DomainPolicy::Uid);
     assert!(
@@ -671,18 +704,22 @@ fn a_marked_page_rewritten_with_another_domains_content_is_never_merged_across()
 fn a_prober_outside_the_targets_that_merges_with_a_domains_pages_is_undone() {
     require_root();
     let _turn = ksm_turn();
-    let mut root = TestChild::spawn();
-    let mut user = TestChild::spawn_as_nobody();
+    let users = TwoUsers::spawn(82, 83);
+    let regions = users.regions();
+    let TwoUsers {
+        mut root,
+        mut user,
+        ra,
+        rb,
+        user_pid,
+    } = users;
     let mut prober = TestChild::spawn_as_nobody();
-    let (ra, rb, rp) = (root.map(64), user.map(64), prober.map(16));
-    root.write(ra, 0, 64, 82);
-    user.write(rb, 0, 64, 83);
+    let rp = prober.map(16);
     // Another user's process, not a target, marks its own memory and fills it with copies of
     // root's duplicated pages: once ksmd merges them, a copy-on-write timing would tell it so.
     prober.write(rp, 0, 16, 82);
     prober.command(&format!("mergeable {}", rp.id));
-    let (user_pid, prober_pid) = (user.pid_from_proc(), prober.pid_from_proc());
-    let regions = [(root.pid(), ra, 64), (user_pid, rb, 64)];
+    let prober_pid = prober.pid_from_proc();
     let mut daemon = Daemon::start(DaemonConfig {
         domain: DomainPolicy::Uid,
         outsiders: OutsiderPolicy::Warn,
@@ -755,14 +792,15 @@ fn with_several_domains_a_written_marked_page_is_unmarked_before_the_next_pass()
     require_root();
     let _turn = ksm_turn();
     for mode in [DirtyMode::Pagemap, DirtyMode::Ebpf] {
-        let mut root = TestChild::spawn();
-        let mut user = TestChild::spawn_as_nobody();
-        let (ra, rb) = (root.map(64), user.map(64));
-        root.write(ra, 0, 64, 84);
-        user.write(rb, 0, 64, 85);
-        let user_pid = user.pid_from_proc();
-        let regions = [(root.pid(), ra, 64), (user_pid, rb, 64)];
-        let mut daemon = daemon_with_domains(&regions, mode, DomainPolicy::Uid);
+        let users = TwoUsers::spawn(84, 85);
+        let mut daemon = daemon_with_domains(&users.regions(), mode, DomainPolicy::Uid);
+        let TwoUsers {
+            mut root,
+            mut user,
+            ra,
+            rb,
+            user_pid,
+        } = users;
         assert!(
             passes_until(&mut daemon, || ksm_pages(user_pid, rb, 64).len() == 64),
             "{mode}: the user's duplicates were not merged"
