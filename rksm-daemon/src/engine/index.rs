@@ -588,6 +588,36 @@ impl Index {
         }
     }
 
+    /// The representative a page with `checksum` would be compared with first, if one is
+    /// needed: none for a checksum the index does not hold, for the zero page, or for a
+    /// representative whose content is cached already. A caller that reads many pages can
+    /// read these in one go and hand them over with [`Index::preload`].
+    pub fn representative_to_read(&self, checksum: u64) -> Option<PageRef> {
+        let (rep, zero) = match self.singles.get(&checksum) {
+            Some(single) => (single.page(), single.zero),
+            None => {
+                let class = self.groups.get(&checksum)?.first()?;
+                (class.members.rep()?, class.zero)
+            }
+        };
+        (!zero && !self.cache.pages.contains_key(&rep)).then_some(rep)
+    }
+
+    /// Whether a page with `checksum` will be compared with a page of the index.
+    pub fn holds(&self, checksum: u64) -> bool {
+        self.singles.contains_key(&checksum) || self.groups.contains_key(&checksum)
+    }
+
+    /// Keeps `content`, read just now, as representative `rep`'s, if it still has `checksum`
+    /// (otherwise the comparison reads it again, and finds it stale).
+    pub fn preload(&mut self, rep: PageRef, checksum: u64, content: &[u8]) {
+        if let Ok(page) = <&[u8; PAGE]>::try_from(content) {
+            if (self.hash)(page) == checksum {
+                self.cache.insert(rep, page);
+            }
+        }
+    }
+
     /// The `n` contents with the most copies, most first.
     pub fn top(&self, n: usize) -> Vec<TopContent> {
         let mut all: Vec<(u64, &Class)> = self
@@ -693,6 +723,37 @@ mod tests {
 
     /// A deliberately weak checksum: every page collides with every other.
     const WEAK: u64 = 42;
+
+    #[test]
+    fn a_representative_read_ahead_spares_the_comparison_its_read() {
+        let kind = ChecksumKind::Xxh64;
+        let mut index = Index::new(kind);
+        let mut mem = Memory::default();
+        let (rep, other) = (mem.set(1, 0, 7), mem.set(2, 0, 7));
+        let sum = kind.checksum(&[7; PAGE]);
+        assert_eq!(
+            index.representative_to_read(sum),
+            None,
+            "nothing to compare with yet"
+        );
+        assert_eq!(
+            place(&mut index, &mut mem, rep, sum, sum),
+            Placement::Unique
+        );
+        assert!(index.holds(sum));
+        assert_eq!(index.representative_to_read(sum), Some(rep));
+        // Content that no longer has the checksum is not kept: the comparison reads it.
+        index.preload(rep, sum, &[8; PAGE]);
+        assert_eq!(index.representative_to_read(sum), Some(rep));
+        index.preload(rep, sum, &[7; PAGE]);
+        assert_eq!(index.representative_to_read(sum), None, "cached");
+        let reads = mem.reads;
+        assert_eq!(
+            place(&mut index, &mut mem, other, sum, sum),
+            Placement::Duplicate { of: rep }
+        );
+        assert_eq!(mem.reads, reads, "compared with the preloaded content");
+    }
 
     #[test]
     fn the_gate_keeps_changed_pages_out() {

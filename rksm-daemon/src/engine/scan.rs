@@ -277,6 +277,8 @@ pub struct Scanner {
     read_ok: Vec<bool>,
     entries: Vec<PagemapEntry>,
     live: LiveMemory,
+    /// Representatives read ahead of their comparisons.
+    rep_batch: Vec<u8>,
     /// Pages a comparison found changed or gone, by pid: hashed again at its next pass.
     recheck: HashMap<u32, Vec<u64>>,
     merge_candidates: HashMap<u32, Vec<(u64, u64)>>,
@@ -307,6 +309,7 @@ impl Scanner {
             read_ok: vec![false; CHUNK_PAGES],
             entries: vec![PagemapEntry(0); CHUNK_PAGES],
             live: LiveMemory::default(),
+            rep_batch: Vec::new(),
             recheck: HashMap::new(),
             merge_candidates: HashMap::new(),
             ksm_pages: HashMap::new(),
@@ -677,7 +680,16 @@ impl Scanner {
                 self.pfns_seen.insert(pfn, NO_CHECKSUM);
                 counts.ksm_pages_shared += u64::from(ksm);
             }
-            let must_read = rehash.is_none_or(|r| r.contains(&addr)) || previous == NO_CHECKSUM;
+            // A page known unchanged is read anyway if the index holds its checksum: it will
+            // be compared, and reading it here, in the batch, is much cheaper than one
+            // /proc/PID/mem read at the comparison (only pages mapped once: see reader).
+            let compared = entry.exclusive()
+                && self
+                    .indexes
+                    .get(&open.domain)
+                    .is_some_and(|i| i.holds(previous));
+            let must_read =
+                rehash.is_none_or(|r| r.contains(&addr)) || previous == NO_CHECKSUM || compared;
             let source = if zero {
                 Source::Zero
             } else if must_read {
@@ -721,6 +733,19 @@ impl Scanner {
             .indexes
             .entry(open.domain)
             .or_insert_with(|| Index::new(kind));
+        // The representatives these pages will be compared with, read in runs.
+        let wanted: Vec<(PageRef, u64)> = candidates
+            .iter()
+            .filter_map(|c| {
+                let sum = match c.source {
+                    Source::Zero => return None,
+                    Source::Read(slot) => fresh[slot],
+                    Source::Known => c.previous,
+                };
+                Some((index.representative_to_read(sum)?, sum))
+            })
+            .collect();
+        preload_representatives(index, &mut self.live, wanted, &mut self.rep_batch);
         for candidate in &candidates {
             let page = PageRef {
                 pid,
@@ -816,6 +841,38 @@ impl Scanner {
             }
         }
         Ok(got)
+    }
+}
+
+/// Reads the representatives `wanted` (with the checksum each must still have) into the
+/// index's cache, in runs of consecutive pages: one /proc/PID/mem read per run instead of one
+/// per comparison. The first pass after arming compares every duplicate with a page of
+/// another process, and those are mostly consecutive there too. A run that cannot be read in
+/// full is left to the comparisons, which read page by page and find what changed.
+fn preload_representatives(
+    index: &mut Index,
+    live: &mut LiveMemory,
+    mut wanted: Vec<(PageRef, u64)>,
+    buf: &mut Vec<u8>,
+) {
+    wanted.sort_unstable_by_key(|(page, _)| *page);
+    wanted.dedup_by_key(|(page, _)| *page);
+    let consecutive = |a: &(PageRef, u64), b: &(PageRef, u64)| {
+        a.0.pid == b.0.pid && a.0.addr + PAGE_SIZE == b.0.addr
+    };
+    for run in wanted.chunk_by(consecutive) {
+        let (first, _) = run[0];
+        buf.resize(run.len() * PAGE, 0);
+        let mem = live
+            .open
+            .entry(first.pid)
+            .or_insert_with(|| ProcMem::open(first.pid).ok());
+        if !mem.as_ref().is_some_and(|m| m.read_at(first.addr, buf)) {
+            continue;
+        }
+        for (i, &(page, sum)) in run.iter().enumerate() {
+            index.preload(page, sum, &buf[i * PAGE..(i + 1) * PAGE]);
+        }
     }
 }
 
