@@ -26,7 +26,10 @@ use std::collections::{hash_map::Entry, HashMap, HashSet, VecDeque};
 
 use rksm_common::PAGE_SIZE;
 
-use crate::engine::checksum::{ChecksumKind, PageChecksum};
+use crate::engine::{
+    checksum::{ChecksumKind, PageChecksum},
+    keys::KeyMap,
+};
 
 const PAGE: usize = PAGE_SIZE as usize;
 /// A class's page list becomes a set past this many pages, so leaving it stays O(1).
@@ -277,9 +280,9 @@ pub struct Index {
     hash: PageChecksum,
     zero_checksum: u64,
     /// Contents held by one page (by far the most), each alone under its checksum.
-    singles: HashMap<u64, Single>,
+    singles: KeyMap<Single>,
     /// Checksums with a class of several pages, or several classes (collisions).
-    groups: HashMap<u64, Vec<Class>>,
+    groups: KeyMap<Vec<Class>>,
     cache: RepCache,
     /// Pages in the index.
     pages: u64,
@@ -309,8 +312,8 @@ impl Index {
         Index {
             hash,
             zero_checksum: hash(&ZERO_PAGE),
-            singles: HashMap::new(),
-            groups: HashMap::new(),
+            singles: KeyMap::default(),
+            groups: KeyMap::default(),
             cache: RepCache {
                 capacity: cache_pages,
                 ..RepCache::default()

@@ -4,11 +4,13 @@
 //! [`dirty`] says which of its pages changed, [`scan`] reads and checksums those, records
 //! them in the target's [`pages`] and places them in the [`index`] (both kept from pass to
 //! pass), and [`merge`] turns verified duplicates into marked ranges.
-//! Address ranges come from [`crate::kernel::ranges`].
+//! Address ranges come from [`crate::kernel::ranges`]; maps keyed by checksums and page
+//! addresses hash with [`keys`].
 
 pub mod checksum;
 pub mod dirty;
 pub mod index;
+pub mod keys;
 pub mod merge;
 pub mod pages;
 pub mod scan;
