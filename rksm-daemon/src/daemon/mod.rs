@@ -1215,8 +1215,8 @@ impl Daemon {
         }
     }
 
-    /// Ends a pass early, between targets, once one of `fds` is readable (the signalfd of
-    /// SIGINT and SIGTERM): the daemon then stops within one target's read, not one pass.
+    /// Ends a pass early, between two chunks, once one of `fds` is readable (the signalfd of
+    /// SIGINT and SIGTERM): the daemon then stops within one chunk's read, not one pass.
     pub fn stop_on(&mut self, fds: &[BorrowedFd<'_>]) -> std::io::Result<()> {
         let fds: Vec<std::os::fd::OwnedFd> = fds
             .iter()

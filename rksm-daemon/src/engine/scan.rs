@@ -10,11 +10,13 @@
 //! pages are asked of pagemap (and kpageflags, for pages mapped more than once, whether they
 //! are KSM or zero pages), read in batches with `process_vm_readv`, checksummed and placed.
 //! Physical pages are counted once: a frame mapped a second time (fork, KSM, the zero page) is
-//! already shared, and merging cannot free it again. A process that exits or unmaps memory
-//! mid-pass only loses its own numbers for that pass.
+//! already shared, and merging cannot free it again. The targets are read side by side, one
+//! 2 MiB chunk of each in turn, so that copies of a content in several processes meet while
+//! its representative is still cached. A process that exits or unmaps memory mid-pass only
+//! loses its own numbers for that pass.
 
 use std::{
-    collections::{HashMap, HashSet},
+    collections::{HashMap, HashSet, VecDeque},
     time::Instant,
 };
 
@@ -253,6 +255,34 @@ impl Work {
     }
 }
 
+/// One chunk of a target's scan.
+#[derive(Debug, Clone, Copy)]
+struct Step {
+    start: u64,
+    pages: usize,
+    /// Of sparse pages: only `Work::rehash` pages are hashed again.
+    sparse: bool,
+    /// Pages of address space it accounts for, for progress.
+    weight: u64,
+}
+
+/// One target's scan in a pass, advanced a chunk at a time.
+struct InProgress<'t> {
+    target: &'t mut Target,
+    work: Work,
+    open: Option<Open>,
+    steps: VecDeque<Step>,
+    counts: PageCounts,
+    misses: u64,
+    /// Pages of address space done, for progress.
+    done: u64,
+    error: Option<ProcessScanError>,
+}
+
+fn scans_done(scans: &[InProgress<'_>]) -> u64 {
+    scans.iter().map(|s| s.done).sum()
+}
+
 /// The open files of the target being scanned.
 struct Open {
     pid: u32,
@@ -284,12 +314,12 @@ pub struct Scanner {
     merge_candidates: HashMap<u32, Vec<(u64, u64)>>,
     ksm_pages: HashMap<u32, Vec<u64>>,
     ksm_checksums: HashMap<u32, Vec<u64>>,
-    /// Asked between targets: true ends the pass where it is (the daemon is stopping).
+    /// Asked between chunks: true ends the pass where it is (the daemon is stopping).
     stop: Option<Box<dyn Fn() -> bool>>,
 }
 
 impl Scanner {
-    /// Ends passes early, between targets, once `stop` says so. What a pass cut short leaves
+    /// Ends passes early, between chunks, once `stop` says so. What a pass cut short leaves
     /// is for a daemon that is exiting: pages of the targets not yet read are out of the
     /// index until they are read again.
     pub fn stop_when(&mut self, stop: impl Fn() -> bool + 'static) {
@@ -397,38 +427,58 @@ impl Scanner {
             }
         }
         let pages_total = plans.iter().map(|(_, w)| w.pages()).sum();
-        let mut pages_done = 0;
-        for (target, work) in plans {
-            if self.stop.as_ref().is_some_and(|stop| stop()) {
-                report.stopped = true;
+        let mut scans: Vec<InProgress<'_>> = plans
+            .into_iter()
+            .map(|(target, work)| self.begin(target, work))
+            .collect();
+        // The targets are read side by side, a chunk of each in turn: workers of one program
+        // hold their copies of a content at about the same place, so the representative a
+        // copy is compared with is still in the index's cache when the next copies come.
+        'scanning: loop {
+            let mut stepped = false;
+            for i in 0..scans.len() {
+                if scans[i].steps.is_empty() {
+                    continue;
+                }
+                if self.stop.as_ref().is_some_and(|stop| stop()) {
+                    report.stopped = true;
+                    break 'scanning;
+                }
+                self.step(&mut scans[i]);
+                stepped = true;
+                progress(Progress {
+                    pages_done: scans_done(&scans),
+                    pages_total,
+                });
+            }
+            if !stepped {
                 break;
             }
-            let pid = target.pid();
-            let result = self.scan_target(target, &work, &mut |done| {
-                progress(Progress {
-                    pages_done: pages_done + done,
-                    pages_total,
-                })
-            });
+        }
+        for mut scan in scans {
+            if report.stopped {
+                break;
+            }
+            let pid = scan.target.pid();
+            let result = Self::finish(&mut scan);
             if result.is_err() {
                 // Half-placed: it starts over next pass.
-                self.forget(target);
+                self.forget(scan.target);
             }
             match result {
                 // Exited while being scanned: what was counted may be missing pages.
-                Ok(_) if target.process().has_exited() => report.exited.push(pid),
+                Ok(_) if scan.target.process().has_exited() => report.exited.push(pid),
                 Ok(counts) => {
                     report.total.add(&counts);
                     report.processes.push(ProcessCounts {
                         pid,
-                        comm: target.process().comm().to_string(),
+                        comm: scan.target.process().comm().to_string(),
                         counts,
                     });
                 }
                 Err(ProcessScanError::Gone) => report.exited.push(pid),
                 Err(ProcessScanError::Failed(why)) => report.failed.push((pid, why)),
             }
-            pages_done += work.pages();
         }
         if self.config.report_top {
             let mut top: Vec<TopContent> = self.indexes.values().flat_map(|i| i.top(10)).collect();
@@ -544,76 +594,127 @@ impl Scanner {
         }
     }
 
-    fn scan_target(
-        &mut self,
-        target: &mut Target,
-        work: &Work,
-        progress: &mut dyn FnMut(u64),
-    ) -> Result<PageCounts, ProcessScanError> {
+    /// Opens `target` and lists what its scan will look at, chunk by chunk: the present
+    /// runs of its full ranges (pages known from before and absent now are forgotten), then
+    /// the runs of its sparse pages.
+    fn begin<'t>(&self, target: &'t mut Target, work: Work) -> InProgress<'t> {
         let pid = target.pid();
-        let open = Open {
-            pid,
-            domain: target.domain(),
-            pagemap: Pagemap::open(pid)?,
-            mem: ProcMem::open(pid)?,
+        let mut scan = InProgress {
+            open: None,
+            steps: VecDeque::new(),
+            counts: PageCounts::default(),
+            misses: 0,
+            done: 0,
+            error: None,
+            target,
+            work,
         };
-        let mut counts = PageCounts::default();
-        let mut done = 0;
-        let mut misses = 0;
-        for range in &work.full {
-            // Only the present pages are looked at; pages known from before and absent now
-            // are forgotten.
-            let present = open.pagemap.present_runs(range.start, range.end)?;
+        let opened = Pagemap::open(pid)
+            .map_err(ProcessScanError::from)
+            .and_then(|pagemap| {
+                Ok(Open {
+                    pid,
+                    domain: scan.target.domain(),
+                    pagemap,
+                    mem: ProcMem::open(pid)?,
+                })
+            });
+        let open = match opened {
+            Ok(open) => open,
+            Err(e) => {
+                scan.error = Some(e);
+                return scan;
+            }
+        };
+        for range in &scan.work.full {
+            let present = match open.pagemap.present_runs(range.start, range.end) {
+                Ok(present) => present,
+                Err(e) => {
+                    scan.error = Some(e.into());
+                    return scan;
+                }
+            };
             let mut gap_start = range.start;
             for run in present.iter().chain([&Range::new(range.end, range.end)]) {
-                for (addr, _) in target.pages.pages_in(gap_start, run.start) {
-                    target.pages.remove(addr);
+                for (addr, _) in scan.target.pages.pages_in(gap_start, run.start) {
+                    scan.target.pages.remove(addr);
                 }
                 gap_start = run.end;
             }
+            // The absent pages of the range count for its progress too, with its first step.
+            let mut weight = range.pages() - present.iter().map(Range::pages).sum::<u64>();
             for run in &present {
                 let mut from = run.start;
                 while from < run.end {
                     let n = (((run.end - from) / PAGE_SIZE) as usize).min(CHUNK_PAGES);
-                    let got = self.scan_run(
-                        &open,
-                        &mut target.pages,
-                        from,
-                        n,
-                        None,
-                        &work.unseen,
-                        &mut counts,
-                        &mut misses,
-                    )?;
-                    if got == 0 {
-                        break;
-                    }
-                    from += got as u64 * PAGE_SIZE;
+                    scan.steps.push_back(Step {
+                        start: from,
+                        pages: n,
+                        sparse: false,
+                        weight: std::mem::take(&mut weight) + n as u64,
+                    });
+                    from += n as u64 * PAGE_SIZE;
                 }
             }
-            done += range.pages();
-            progress(done);
+            scan.done += weight;
         }
         // One pagemap read per run of consecutive pages.
-        for run in page_runs(&work.sparse, CHUNK_PAGES) {
-            self.scan_run(
-                &open,
-                &mut target.pages,
-                run[0],
-                run.len(),
-                Some(&work.rehash),
-                &work.unseen,
-                &mut counts,
-                &mut misses,
-            )?;
-            done += run.len() as u64;
+        for run in page_runs(&scan.work.sparse, CHUNK_PAGES) {
+            scan.steps.push_back(Step {
+                start: run[0],
+                pages: run.len(),
+                sparse: true,
+                weight: run.len() as u64,
+            });
         }
-        progress(done);
-        for range in &work.full {
-            target.pages.scanned.insert(*range);
+        scan.open = Some(open);
+        scan
+    }
+
+    /// Looks at the next chunk of `scan`; a failure ends its scan.
+    fn step(&mut self, scan: &mut InProgress<'_>) {
+        let (Some(step), Some(open)) = (scan.steps.pop_front(), scan.open.as_ref()) else {
+            return;
+        };
+        let rehash = step.sparse.then_some(&scan.work.rehash);
+        match self.scan_run(
+            open,
+            &mut scan.target.pages,
+            step.start,
+            step.pages,
+            rehash,
+            &scan.work.unseen,
+            &mut scan.counts,
+            &mut scan.misses,
+        ) {
+            // Fewer entries than asked: the rest of the run, from where pagemap stopped.
+            Ok(got) if got > 0 && got < step.pages => scan.steps.push_front(Step {
+                start: step.start + got as u64 * PAGE_SIZE,
+                pages: step.pages - got,
+                weight: 0,
+                ..step
+            }),
+            Ok(_) => {}
+            Err(e) => {
+                scan.error = Some(e);
+                scan.steps.clear();
+            }
         }
-        counts.pages_skipped_clean = target.pages.len().saturating_sub(counts.scanned_pages);
-        target.dirty.note_misses(pid, misses);
+        scan.done += step.weight;
+    }
+
+    /// Ends `scan`: what it counted, or why it failed.
+    fn finish(scan: &mut InProgress<'_>) -> Result<PageCounts, ProcessScanError> {
+        if let Some(e) = scan.error.take() {
+            return Err(e);
+        }
+        for range in &scan.work.full {
+            scan.target.pages.scanned.insert(*range);
+        }
+        let mut counts = scan.counts;
+        counts.pages_skipped_clean = scan.target.pages.len().saturating_sub(counts.scanned_pages);
+        let pid = scan.target.pid();
+        scan.target.dirty.note_misses(pid, scan.misses);
         Ok(counts)
     }
 
