@@ -22,7 +22,27 @@ pub enum DomainPolicy {
 
 crate::value_enum_text!(DomainPolicy => "merge domain");
 
+/// The `uid` domain of a process with user ids `uids` (real, effective, saved, filesystem).
+fn uid_domain(uids: &[u32]) -> Option<String> {
+    let first = *uids.first()?;
+    Some(if uids.iter().all(|&u| u == first) {
+        format!("uid {first}")
+    } else {
+        let all: Vec<String> = uids.iter().map(u32::to_string).collect();
+        format!("uid {}", all.join(","))
+    })
+}
+
 impl DomainPolicy {
+    /// The name of the domain of `pid`, whose user ids are known to be `uids` (read with its
+    /// other state, so that `uid` domains cost no read of their own).
+    pub fn domain_with_uids(self, pid: u32, uids: &[u32]) -> Option<String> {
+        match self {
+            DomainPolicy::Uid => uid_domain(uids),
+            _ => self.domain_of(pid),
+        }
+    }
+
     /// The name of the domain `pid` belongs to (None if /proc no longer says).
     pub fn domain_of(self, pid: u32) -> Option<String> {
         match self {
@@ -31,17 +51,13 @@ impl DomainPolicy {
                 // All of its user ids, read again every pass: a process that changes one
                 // (setuid, seteuid) changes domain.
                 let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-                let uids: Vec<&str> = status
+                let uids: Vec<u32> = status
                     .lines()
                     .find_map(|l| l.strip_prefix("Uid:"))?
                     .split_whitespace()
-                    .collect();
-                let first = *uids.first()?;
-                Some(if uids.iter().all(|&u| u == first) {
-                    format!("uid {first}")
-                } else {
-                    format!("uid {}", uids.join(","))
-                })
+                    .map(|u| u.parse().ok())
+                    .collect::<Option<_>>()?;
+                uid_domain(&uids)
             }
             DomainPolicy::Cgroup => {
                 // The whole membership list: v2's single line, or every v1 hierarchy's.
@@ -258,6 +274,19 @@ mod tests {
         assert!(domains.leave("uid 1000", &claims_b));
         assert_eq!((domains.count(), domains.owned_contents()), (0, 0));
         assert_ne!(domains.join("uid 0"), a, "numbers are never reused");
+    }
+
+    #[test]
+    fn a_uid_domain_names_one_id_or_all_four() {
+        assert_eq!(uid_domain(&[1000; 4]).as_deref(), Some("uid 1000"));
+        assert_eq!(
+            uid_domain(&[1000, 0, 1000, 0]).as_deref(),
+            Some("uid 1000,0,1000,0")
+        );
+        assert_eq!(
+            DomainPolicy::Uid.domain_with_uids(1, &[7; 4]).as_deref(),
+            Some("uid 7")
+        );
     }
 
     #[test]

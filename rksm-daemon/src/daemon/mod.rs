@@ -49,7 +49,7 @@ use crate::{
         ksmd::{self, KsmdError, KsmdOwner},
         process::{Process, ProcessId},
         procfs::{self, ProcfsError},
-        ranges::Range,
+        ranges::{page_runs, Range},
         remote::{self, RemoteError, RemoteRefusal},
     },
 };
@@ -666,9 +666,16 @@ impl Daemon {
         let mut off_limits = Vec::new();
         let mut moved = Vec::new();
         for target in self.targets.values() {
-            if let Some(reason) = target.process().off_limits() {
+            let Some(standing) = target.process().standing() else {
+                continue;
+            };
+            if let Some(reason) = standing.off_limits {
                 off_limits.push((target.id(), reason));
-            } else if let Some(now) = self.config.domain.domain_of(target.pid()) {
+            } else if let Some(now) = self
+                .config
+                .domain
+                .domain_with_uids(target.pid(), &standing.uids)
+            {
                 if now != target.domain_name() {
                     moved.push((target.pid(), now));
                 }
@@ -863,17 +870,11 @@ impl Daemon {
             })
             .collect();
         // Outsiders of a domain no target is in get numbers of their own, from the top.
-        let mut strangers: Vec<&str> = Vec::new();
+        let mut strangers: HashMap<&str, u32> = HashMap::new();
         for o in &self.outsiders {
             let domain = self.domains.id_of(&o.domain).unwrap_or_else(|| {
-                let n = strangers
-                    .iter()
-                    .position(|&d| d == o.domain)
-                    .unwrap_or_else(|| {
-                        strangers.push(&o.domain);
-                        strangers.len() - 1
-                    });
-                u32::MAX - n as u32
+                let next = u32::MAX - strangers.len() as u32;
+                *strangers.entry(&o.domain).or_insert(next)
             });
             mappers.push(crossings::Mapper {
                 pid: o.pid,
@@ -940,19 +941,15 @@ impl Daemon {
             };
             pages.sort_unstable();
             pages.dedup();
-            let mut runs: Vec<Run> = Vec::new();
-            for &page in &pages {
-                target.merged.remove(&page);
-                target.candidates.remove(&page);
-                match runs.last_mut() {
-                    Some(run) if run.end == page => run.end += PAGE_SIZE,
-                    _ => runs.push(Range::new(page, page + PAGE_SIZE)),
-                }
+            for page in &pages {
+                target.merged.remove(page);
+                target.candidates.remove(page);
             }
             // What rksm marked is unmarked; what the process marked itself is its own.
             let mut mine: Vec<Run> = Vec::new();
             let mut theirs = false;
-            for run in runs {
+            for run in page_runs(&pages, usize::MAX) {
+                let run = Range::new(run[0], run[run.len() - 1] + PAGE_SIZE);
                 mine.extend(target.marked.within(run));
                 theirs |= !target.marked.minus(&[run]).is_empty();
             }

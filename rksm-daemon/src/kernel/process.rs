@@ -207,14 +207,18 @@ impl Process {
         self.image() != self.image_at_open
     }
 
-    /// Why rksm must not touch the process now, if it must not: a process can make itself
-    /// off limits after it was opened (`setuid`, `PR_SET_DUMPABLE`), so this is asked again
-    /// every pass.
-    pub fn off_limits(&self) -> Option<RefusalReason> {
+    /// What the process is now, from one read of /proc: a process can make itself off
+    /// limits after it was opened (`setuid`, `PR_SET_DUMPABLE`) or change its user ids, so
+    /// this is asked again every pass. None once it is gone.
+    pub fn standing(&self) -> Option<Standing> {
         let stat = ProcStat::read(self.pid).ok()?;
-        stat.refusal()
-            .filter(|r| matches!(r, RefusalReason::SetId))
-            .or_else(|| stat.non_dumpable())
+        Some(Standing {
+            off_limits: stat
+                .refusal()
+                .filter(|r| matches!(r, RefusalReason::SetId))
+                .or_else(|| stat.non_dumpable()),
+            uids: stat.uids,
+        })
     }
 
     /// True once the process has exited (its pidfd became readable). Never blocks.
@@ -224,6 +228,15 @@ impl Process {
         poll(&mut fds, PollTimeout::ZERO).is_ok_and(|n| n > 0)
             && fds[0].revents().is_some_and(|r| !r.is_empty())
     }
+}
+
+/// What a process is now ([`Process::standing`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Standing {
+    /// Why rksm must not touch it any more, if it must not.
+    pub off_limits: Option<RefusalReason>,
+    /// Its real, effective, saved and filesystem user ids.
+    pub uids: [u32; 4],
 }
 
 fn uptime_seconds() -> f64 {
