@@ -25,7 +25,7 @@ use std::{
     },
     path::{Path, PathBuf},
     sync::{
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicUsize, Ordering},
         Arc, Mutex,
     },
     thread::JoinHandle,
@@ -490,7 +490,8 @@ impl HttpAccess {
 /// How long one client of the status server may take, reading its request and the answer:
 /// each client has a thread and a deadline of its own, so a slow one delays nobody else.
 pub const CLIENT_DEADLINE: Duration = Duration::from_secs(2);
-/// Clients served at once; more wait in the listen queue.
+/// Clients served at once, on the socket and on the HTTP port each; more wait in the
+/// listen queue.
 const MAX_CLIENTS: usize = 16;
 
 /// Serves the latest [`Status`] from a thread, until dropped.
@@ -584,12 +585,13 @@ fn serve(
     latest: &Arc<Mutex<Status>>,
     stop: &AtomicBool,
 ) {
-    let busy = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    // Root's socket and the HTTP port each have their own clients' budget, so that a crowd
+    // of HTTP clients cannot keep `rksm status` out.
+    let (unix_busy, http_busy) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
     let token = Arc::new(token);
-    let spawn = |name: String, work: Box<dyn FnOnce(Status) -> io::Result<()> + Send>| {
-        if busy.load(Ordering::Relaxed) >= MAX_CLIENTS {
-            return;
-        }
+    let spawn = |busy: &Arc<AtomicUsize>,
+                 name: String,
+                 work: Box<dyn FnOnce(Status) -> io::Result<()> + Send>| {
         busy.fetch_add(1, Ordering::Relaxed);
         let (mine, latest) = (busy.clone(), latest.clone());
         let spawned = std::thread::Builder::new()
@@ -610,24 +612,34 @@ fn serve(
             busy.fetch_sub(1, Ordering::Relaxed);
         }
     };
+    let has_room = |busy: &AtomicUsize| busy.load(Ordering::Relaxed) < MAX_CLIENTS;
     while !stop.load(Ordering::Relaxed) {
-        let mut fds = vec![PollFd::new(unix.as_fd(), PollFlags::POLLIN)];
-        if let Some(http) = http {
+        // A listener whose clients are all busy is not accepted from: newcomers wait in its
+        // listen queue, not closed.
+        let unix_open = has_room(&unix_busy);
+        let http_open = http.filter(|_| has_room(&http_busy));
+        let mut fds = Vec::with_capacity(2);
+        if unix_open {
+            fds.push(PollFd::new(unix.as_fd(), PollFlags::POLLIN));
+        }
+        if let Some(http) = http_open {
             fds.push(PollFd::new(http.as_fd(), PollFlags::POLLIN));
         }
         if poll(&mut fds, PollTimeout::from(200u16)).unwrap_or(0) <= 0 {
             continue;
         }
         drop(fds);
-        if let Ok((stream, _)) = unix.accept() {
+        if let Some(Ok((stream, _))) = unix_open.then(|| unix.accept()) {
             spawn(
+                &unix_busy,
                 "status client".into(),
                 Box::new(move |status| answer_unix(stream, &status)),
             );
         }
-        if let Some(Ok((stream, peer))) = http.map(TcpListener::accept) {
+        if let Some(Ok((stream, peer))) = http_open.map(TcpListener::accept) {
             let token = token.clone();
             spawn(
+                &http_busy,
                 format!("metrics client {peer}"),
                 Box::new(move |status| answer_http(stream, &status, token.as_deref())),
             );
