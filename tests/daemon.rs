@@ -217,6 +217,63 @@ fn ebpf_mode_hashes_a_small_fraction_of_what_hash_only_does_on_static_memory() {
     );
 }
 
+/// In a dirty-bit mode a page is compared when it is first read, and what it duplicates is
+/// marked at the next pass only if neither copy was written in between: KSM's checksum gate,
+/// kept by the dirty bit instead of by reading everything a second time.
+#[test]
+fn duplicates_found_at_the_first_read_are_marked_after_a_clean_pass_without_reading_again() {
+    require_root();
+    let _turn = ksm_turn();
+    for mode in [DirtyMode::Pagemap, DirtyMode::Ebpf] {
+        let (mut a, mut b) = (TestChild::spawn(), TestChild::spawn());
+        let (ra, rb) = (a.map(64), b.map(64));
+        a.write_unique(ra, 0, 64, 500);
+        b.write_unique(rb, 0, 64, 500);
+        let mut daemon = daemon_over(&[(a.pid(), ra, 64), (b.pid(), rb, 64)], mode);
+
+        let first = daemon.pass();
+        assert_eq!(
+            first.duplicates, 64,
+            "{mode}: compared at the first read: {first:?}"
+        );
+        assert_eq!(
+            first.runs_marked, 0,
+            "{mode}: marked before the gate: {first:?}"
+        );
+        assert!(!vma_mergeable(a.pid(), ra.base) && !vma_mergeable(b.pid(), rb.base));
+
+        // The second half of one copy changes: neither copy of it may pass the gate.
+        b.write_unique(rb, 32, 32, 9000);
+        let second = daemon.pass();
+        assert_eq!(
+            second.pages_hashed, 32,
+            "{mode}: only the written pages are read again: {second:?}"
+        );
+        for (pid, region) in [(a.pid(), ra), (b.pid(), rb)] {
+            assert!(
+                vma_mergeable(pid, region.base),
+                "{mode}: pid {pid} not marked"
+            );
+            assert!(
+                !vma_mergeable(pid, region.base + 48 * PAGE),
+                "{mode}: pid {pid}: a page that failed the gate was marked"
+            );
+        }
+
+        let halves = (0..32).collect::<Vec<u64>>();
+        let merged = passes_until(&mut daemon, || {
+            ksm_pages(a.pid(), ra, 64) == halves && ksm_pages(b.pid(), rb, 64) == halves
+        });
+        let stats = daemon.finish();
+        assert!(
+            merged,
+            "{mode}: the clean halves were not merged: {stats:?}"
+        );
+        assert!(a.verify_unique(ra, 0, 64, 500));
+        assert!(b.verify_unique(rb, 0, 32, 500) && b.verify_unique(rb, 32, 32, 9000));
+    }
+}
+
 #[test]
 fn traced_and_seccomp_targets_are_refused_and_left_alone() {
     require_root();

@@ -90,6 +90,15 @@ impl DirtyState {
         matches!(self.arming, Arming::Armed(_))
     }
 
+    /// The ranges under write protection from now on: a page read in them now is vouched
+    /// for at the next pass, unless it was written.
+    pub(crate) fn armed_ranges(&self) -> Option<&RangeSet> {
+        match &self.arming {
+            Arming::Armed(armed) => Some(armed.armed_ranges()),
+            _ => None,
+        }
+    }
+
     /// Why the tracer is not trusted for this target, if it is not.
     pub fn exact(&self) -> Option<&str> {
         self.exact.as_deref()

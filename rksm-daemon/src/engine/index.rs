@@ -151,6 +151,13 @@ impl Members {
         }
     }
 
+    fn contains(&self, page: PageRef) -> bool {
+        match self {
+            Members::Few(v) => v.contains(&page),
+            Members::Many { all, .. } => all.contains(&page),
+        }
+    }
+
     fn iter(&self) -> Box<dyn Iterator<Item = PageRef> + '_> {
         match self {
             Members::Few(v) => Box::new(v.iter().copied()),
@@ -348,14 +355,45 @@ impl Index {
         content: Content<'_>,
         src: &mut dyn ContentSource,
     ) -> Placement {
+        let gate = ksm || checksum == previous;
+        self.place_gated(page, checksum, gate, ksm, content, src).0
+    }
+
+    /// Places a page read for the first time in memory whose writes are tracked from now on,
+    /// as if it had passed the gate: the dirty bit will say whether it stays unchanged until
+    /// the next pass, and comparing it now, while its content is at hand, saves reading it
+    /// again then. Returns where it went and whether a duplicate must still wait for the gate
+    /// before it is marked (not for merged content or a KSM page, which KSM takes at once).
+    pub fn place_first_read(
+        &mut self,
+        page: PageRef,
+        checksum: u64,
+        ksm: bool,
+        content: Content<'_>,
+        src: &mut dyn ContentSource,
+    ) -> (Placement, bool) {
+        let (placement, stable) = self.place_gated(page, checksum, true, ksm, content, src);
+        (placement, !(stable || ksm))
+    }
+
+    /// Places a page, `gate` saying whether it passed the checksum gate; also says whether
+    /// the class it joined holds merged content.
+    fn place_gated(
+        &mut self,
+        page: PageRef,
+        checksum: u64,
+        gate: bool,
+        ksm: bool,
+        content: Content<'_>,
+        src: &mut dyn ContentSource,
+    ) -> (Placement, bool) {
         let mut under_test = PageUnderTest {
             page,
             content,
             loaded: None,
             vanished: false,
         };
-        let gate = ksm || checksum == previous;
-        match self.find(checksum, &mut under_test, src) {
+        let placement = match self.find(checksum, &mut under_test, src) {
             Lookup::Vanished => Placement::Vanished,
             Lookup::Found(found) => {
                 let (rep, stable) = match &found {
@@ -369,10 +407,10 @@ impl Index {
                     }
                 };
                 if !(gate || stable) {
-                    return Placement::Volatile;
+                    return (Placement::Volatile, stable);
                 }
                 self.join(checksum, found, page, ksm);
-                Placement::Duplicate { of: rep }
+                return (Placement::Duplicate { of: rep }, stable);
             }
             Lookup::Missing if !gate => Placement::Volatile,
             Lookup::Missing => {
@@ -381,12 +419,13 @@ impl Index {
                         .content(src, self.hash, checksum)
                         .is_some_and(|c| c.iter().all(|&b| b == 0));
                 if under_test.vanished {
-                    return Placement::Vanished;
+                    return (Placement::Vanished, false);
                 }
                 self.insert(checksum, page, ksm, zero);
                 Placement::Unique
             }
-        }
+        };
+        (placement, false)
     }
 
     /// Takes `page` (held under `checksum`) out of the index; false if it was not in it.
@@ -604,6 +643,21 @@ impl Index {
             }
         };
         (!zero && !self.cache.pages.contains_key(&rep)).then_some(rep)
+    }
+
+    /// Another page of the class `page` is in under `checksum` (its representative if that
+    /// is not `page`), or `None` if `page` is not in the index under `checksum` or is alone
+    /// in its class. No content is read: pages leave the index when they are written.
+    pub fn company(&self, page: PageRef, checksum: u64) -> Option<PageRef> {
+        let class = self
+            .groups
+            .get(&checksum)?
+            .iter()
+            .find(|c| c.members.len() > 1 && c.members.contains(page))?;
+        match class.members.rep() {
+            Some(rep) if rep != page => Some(rep),
+            _ => class.members.iter().find(|&p| p != page),
+        }
     }
 
     /// Whether a page with `checksum` will be compared with a page of the index.
@@ -925,6 +979,46 @@ mod tests {
             Placement::Duplicate { of: merged }
         );
         assert_eq!(index.top(1)[0].pids, [1, 2]);
+    }
+
+    #[test]
+    fn a_first_read_is_placed_at_once_and_says_whether_its_duplicate_waits_for_the_gate() {
+        let kind = ChecksumKind::Xxh64;
+        let mut index = Index::new(kind);
+        let mut mem = Memory::default();
+        let sum = kind.checksum(&[4; PAGE]);
+        let (a, b) = (mem.set(1, 0, 4), mem.set(2, 0, 4));
+        let content = mem.pages[&a];
+        let first = |index: &mut Index, mem: &mut Memory, page, ksm| {
+            index.place_first_read(page, sum, ksm, Content::Loaded(&content), mem)
+        };
+        assert_eq!(
+            first(&mut index, &mut mem, a, false),
+            (Placement::Unique, true)
+        );
+        assert_eq!(index.company(a, sum), None, "alone in its class");
+        assert_eq!(
+            first(&mut index, &mut mem, b, false),
+            (Placement::Duplicate { of: a }, true)
+        );
+        assert_eq!(
+            (index.company(a, sum), index.company(b, sum)),
+            (Some(b), Some(a))
+        );
+        // Company is asked of the index only: a page that left has none, nor its copy.
+        assert!(index.remove(b, sum));
+        assert_eq!((index.company(a, sum), index.company(b, sum)), (None, None));
+        // Merged content takes a copy at once, as KSM's stable tree does.
+        let merged = mem.set(3, 0, 4);
+        assert_eq!(
+            first(&mut index, &mut mem, merged, true),
+            (Placement::Duplicate { of: a }, false)
+        );
+        let c = mem.set(4, 0, 4);
+        assert_eq!(
+            first(&mut index, &mut mem, c, false),
+            (Placement::Duplicate { of: a }, false)
+        );
     }
 
     #[test]

@@ -28,7 +28,7 @@ use crate::{
         checksum::{ChecksumKind, NO_CHECKSUM},
         dirty::{DirtySet, DirtySource},
         index::{Content, ContentSource, Index, PageRef, Placement, TopContent},
-        pages::{PageInfo, PageState},
+        pages::PageInfo,
         target::Target,
     },
     kernel::{
@@ -247,6 +247,9 @@ struct Work {
     rehash: HashSet<u64>,
     /// Pages the audit found written that no record names: a changed checksum is a miss.
     unseen: HashSet<u64>,
+    /// Ranges under write protection from now on: a page read in them for the first time
+    /// is placed at once, and its duplicates held for the gate (see [`Target::held`]).
+    hold: RangeSet,
 }
 
 impl Work {
@@ -426,6 +429,9 @@ impl Scanner {
                 Err(ProcessScanError::Failed(why)) => report.failed.push((pid, why)),
             }
         }
+        for (target, _) in &mut plans {
+            self.release_held(target);
+        }
         let pages_total = plans.iter().map(|(_, w)| w.pages()).sum();
         let mut scans: Vec<InProgress<'_>> = plans
             .into_iter()
@@ -536,6 +542,11 @@ impl Scanner {
                 log::warn!("{e}; rehashing every page of pid {pid} this pass");
                 DirtySet::All
             });
+        // Only the daemon marks; a one-off scan keeps KSM's gate as it is.
+        let hold = match state.armed_ranges() {
+            Some(armed) if self.config.collect_merge_candidates => armed.clone(),
+            _ => RangeSet::default(),
+        };
         let kind = self.config.checksum;
         let index = self
             .indexes
@@ -591,6 +602,31 @@ impl Scanner {
             sparse,
             rehash,
             unseen: std::mem::take(&mut target.dirty.unseen),
+            hold,
+        }
+    }
+
+    /// Makes candidates of the duplicates `target` held at its last pass that passed the gate:
+    /// still in the index with company once every target's written pages have left it (a
+    /// written page leaves in [`Scanner::plan`]), so neither they nor what they equal were
+    /// written since they were compared. Their company is marked too, as at a placement.
+    fn release_held(&mut self, target: &mut Target) {
+        let held = std::mem::take(&mut target.held);
+        let Some(index) = self.indexes.get(&target.domain()) else {
+            return;
+        };
+        let pid = target.pid();
+        for (addr, checksum) in held {
+            if let Some(other) = index.company(PageRef { pid, addr }, checksum) {
+                self.merge_candidates
+                    .entry(pid)
+                    .or_default()
+                    .push((addr, checksum));
+                self.merge_candidates
+                    .entry(other.pid)
+                    .or_default()
+                    .push((other.addr, checksum));
+            }
         }
     }
 
@@ -673,20 +709,10 @@ impl Scanner {
 
     /// Looks at the next chunk of `scan`; a failure ends its scan.
     fn step(&mut self, scan: &mut InProgress<'_>) {
-        let (Some(step), Some(open)) = (scan.steps.pop_front(), scan.open.as_ref()) else {
+        let Some(step) = scan.steps.pop_front() else {
             return;
         };
-        let rehash = step.sparse.then_some(&scan.work.rehash);
-        match self.scan_run(
-            open,
-            &mut scan.target.pages,
-            step.start,
-            step.pages,
-            rehash,
-            &scan.work.unseen,
-            &mut scan.counts,
-            &mut scan.misses,
-        ) {
+        match self.scan_run(scan, step) {
             // Fewer entries than asked: the rest of the run, from where pagemap stopped.
             Ok(got) if got > 0 && got < step.pages => scan.steps.push_front(Step {
                 start: step.start + got as u64 * PAGE_SIZE,
@@ -718,22 +744,30 @@ impl Scanner {
         Ok(counts)
     }
 
-    /// Looks at the `n` pages from `start`: forgets the absent, hashes the ones that may
-    /// have changed (`rehash`, or all if `None`), places the present, and records them in
-    /// `pages`. A page of `unseen` whose checksum changed is counted in `misses`. Returns
-    /// how many pages pagemap covered.
-    #[allow(clippy::too_many_arguments)]
+    /// Looks at the pages of `step`: forgets the absent, hashes the ones that may have
+    /// changed (of a sparse step, the work's `rehash`; else all), places the present, and
+    /// records them in the target's pages. A page of the work's `unseen` whose checksum
+    /// changed is counted as a miss. Returns how many pages pagemap covered.
     fn scan_run(
         &mut self,
-        open: &Open,
-        pages: &mut PageState,
-        start: u64,
-        n: usize,
-        rehash: Option<&HashSet<u64>>,
-        unseen: &HashSet<u64>,
-        counts: &mut PageCounts,
-        misses: &mut u64,
+        scan: &mut InProgress<'_>,
+        step: Step,
     ) -> Result<usize, ProcessScanError> {
+        let InProgress {
+            target,
+            work,
+            open: Some(open),
+            counts,
+            misses,
+            ..
+        } = scan
+        else {
+            return Ok(0);
+        };
+        let (start, n) = (step.start, step.pages);
+        let rehash = step.sparse.then_some(&work.rehash);
+        let (unseen, hold) = (&work.unseen, &work.hold);
+        let (pages, held) = (&mut target.pages, &mut target.held);
         let pid = open.pid;
         let got = open.pagemap.read(start, &mut self.entries[..n])?;
         counts.pagemap_pages += got as u64;
@@ -875,19 +909,33 @@ impl Scanner {
                     Content::Loaded(bytes) => bytes.iter().all(|&b| b == 0),
                     Content::Zero | Content::Unread => true,
                 };
-            let placement = index.place(
-                page,
-                checksum,
-                candidate.previous,
-                candidate.ksm,
-                content,
-                &mut self.live,
-            );
+            // Read for the first time where writes are tracked from now on: compared now,
+            // while its content is at hand, and held for the gate.
+            let first_read = candidate.previous == NO_CHECKSUM
+                && matches!(candidate.source, Source::Read(_))
+                && hold.contains(candidate.addr);
+            let (placement, gated) = if first_read {
+                index.place_first_read(page, checksum, candidate.ksm, content, &mut self.live)
+            } else {
+                let placement = index.place(
+                    page,
+                    checksum,
+                    candidate.previous,
+                    candidate.ksm,
+                    content,
+                    &mut self.live,
+                );
+                (placement, false)
+            };
             for stale in index.take_stale() {
                 self.recheck.entry(stale.pid).or_default().push(stale.addr);
             }
             match placement {
                 Placement::Unique => counts.unique_pages += 1,
+                Placement::Duplicate { .. } if gated => {
+                    counts.duplicate_pages += 1;
+                    held.push((page.addr, checksum));
+                }
                 Placement::Duplicate { of } => {
                     counts.duplicate_pages += 1;
                     if self.config.collect_merge_candidates {

@@ -56,6 +56,11 @@ pub struct Target {
     pub(crate) merged: HashSet<u64>,
     /// Verified duplicates not yet marked, with their checksum.
     pub(crate) candidates: HashMap<u64, u64>,
+    /// Duplicates found when their page was first read, with their checksum: they become
+    /// candidates at the next pass if they are still in the index with company then (that
+    /// is, neither they nor their class were written: the checksum gate, kept by the dirty
+    /// bit instead of by hashing again).
+    pub(crate) held: Vec<(u64, u64)>,
     /// Contents (by checksum) it has marked or has merged: its domain owns them.
     pub(crate) owned: HashSet<u64>,
     /// Regions whose merged pages keep breaking.
@@ -78,6 +83,7 @@ impl Target {
             marked: RangeSet::default(),
             merged: HashSet::new(),
             candidates: HashMap::new(),
+            held: Vec::new(),
             owned: HashSet::new(),
             backoff: Backoff::default(),
             counters: TargetCounters::default(),
