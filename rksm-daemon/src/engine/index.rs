@@ -269,6 +269,16 @@ impl PageUnderTest<'_> {
     }
 }
 
+/// What comparing a page with a representative found.
+enum Compared {
+    Equal,
+    Different,
+    /// The page under test could not be read.
+    PageGone,
+    /// The representative no longer has its checksum: it left the index.
+    RepresentativeGone,
+}
+
 /// Where a content was found.
 enum Found {
     Single,
@@ -522,40 +532,40 @@ impl Index {
         }
     }
 
-    /// Reads `rep`'s content into `buf` (or finds it cached) if it still has `checksum`.
-    fn rep_content<'b>(
-        &'b self,
-        rep: PageRef,
-        checksum: u64,
-        src: &mut dyn ContentSource,
-        buf: &'b mut [u8; PAGE],
-    ) -> Option<&'b [u8; PAGE]> {
-        if let Some(cached) = self.cache.pages.get(&rep) {
-            return Some(cached);
-        }
-        (src.read(rep, buf) && (self.hash)(&buf[..]) == checksum).then_some(&*buf)
-    }
-
-    /// The content of a class's representative `rep`, if it still has `checksum`; if not
-    /// (changed, unmapped, exited), it leaves the index and is reported stale.
-    fn representative(
+    /// Compares the page under test with representative `rep` (held under `checksum`), in
+    /// place: the zero page, a cached content, or `rep` read into `buf` now. A representative
+    /// that no longer has `checksum` (changed, unmapped, exited) leaves the index and is
+    /// reported stale; one compared equal is cached for the next copies.
+    fn compare_with(
         &mut self,
         rep: PageRef,
         zero: bool,
         checksum: u64,
+        page: &mut PageUnderTest<'_>,
         src: &mut dyn ContentSource,
         buf: &mut [u8; PAGE],
-    ) -> Option<[u8; PAGE]> {
-        let content = if zero {
-            Some(ZERO_PAGE)
-        } else {
-            self.rep_content(rep, checksum, src, buf).copied()
-        };
-        if content.is_none() {
+    ) -> Compared {
+        let cached = zero || self.cache.pages.contains_key(&rep);
+        if !(cached || src.read(rep, buf) && (self.hash)(&buf[..]) == checksum) {
             self.remove(rep, checksum);
             self.stale.push(rep);
+            return Compared::RepresentativeGone;
         }
-        content
+        let Some(mine) = page.content(src, self.hash, checksum) else {
+            return Compared::PageGone;
+        };
+        let theirs: &[u8] = match self.cache.pages.get(&rep) {
+            _ if zero => &ZERO_PAGE,
+            Some(content) => &content[..],
+            None => &buf[..],
+        };
+        if mine != theirs {
+            return Compared::Different;
+        }
+        if !cached {
+            self.cache.insert(rep, buf);
+        }
+        Compared::Equal
     }
 
     /// Finds the class whose content equals the page's, comparing contents. Pages of the
@@ -566,10 +576,9 @@ impl Index {
         page: &mut PageUnderTest<'_>,
         src: &mut dyn ContentSource,
     ) -> Lookup {
-        let hash = self.hash;
         // One page of scratch space, kept between calls: a placement allocates nothing.
         let mut buf = self.scratch.take().unwrap_or_else(|| Box::new([0u8; PAGE]));
-        let found = self.find_with(checksum, page, src, hash, &mut buf);
+        let found = self.find_with(checksum, page, src, &mut buf);
         self.scratch = Some(buf);
         found
     }
@@ -579,22 +588,13 @@ impl Index {
         checksum: u64,
         page: &mut PageUnderTest<'_>,
         src: &mut dyn ContentSource,
-        hash: PageChecksum,
         buf: &mut [u8; PAGE],
     ) -> Lookup {
         if let Some(single) = self.singles.get(&checksum).copied() {
-            let rep = single.page();
-            let Some(rep_content) = self.representative(rep, single.zero, checksum, src, buf)
-            else {
-                return Lookup::Missing;
-            };
-            return match page.content(src, hash, checksum) {
-                None => Lookup::Vanished,
-                Some(mine) if mine == &rep_content[..] => {
-                    self.cache.insert(rep, &rep_content);
-                    Lookup::Found(Found::Single)
-                }
-                Some(_) => Lookup::Missing,
+            return match self.compare_with(single.page(), single.zero, checksum, page, src, buf) {
+                Compared::Equal => Lookup::Found(Found::Single),
+                Compared::PageGone => Lookup::Vanished,
+                Compared::Different | Compared::RepresentativeGone => Lookup::Missing,
             };
         }
         let mut i = 0;
@@ -607,25 +607,21 @@ impl Index {
                 i += 1;
                 continue;
             };
-            let Some(rep_content) = self.representative(rep, zero, checksum, src, buf) else {
-                // The representative left; the class's next page stands for it (the loop
-                // looks at the same class again).
-                if self.groups.get(&checksum).is_none_or(|c| c.len() <= i) {
-                    // The class went, or the checksum moved to `singles`.
-                    if self.singles.contains_key(&checksum) {
-                        return self.find_with(checksum, page, src, hash, buf);
+            match self.compare_with(rep, zero, checksum, page, src, buf) {
+                Compared::Equal => return Lookup::Found(Found::Class(i)),
+                Compared::PageGone => return Lookup::Vanished,
+                Compared::Different => i += 1,
+                Compared::RepresentativeGone => {
+                    // The representative left; the class's next page stands for it (the
+                    // loop looks at the same class again).
+                    if self.groups.get(&checksum).is_none_or(|c| c.len() <= i) {
+                        // The class went, or the checksum moved to `singles`.
+                        if self.singles.contains_key(&checksum) {
+                            return self.find_with(checksum, page, src, buf);
+                        }
+                        return Lookup::Missing;
                     }
-                    return Lookup::Missing;
                 }
-                continue;
-            };
-            match page.content(src, hash, checksum) {
-                None => return Lookup::Vanished,
-                Some(mine) if mine == &rep_content[..] => {
-                    self.cache.insert(rep, &rep_content);
-                    return Lookup::Found(Found::Class(i));
-                }
-                Some(_) => i += 1,
             }
         }
     }
