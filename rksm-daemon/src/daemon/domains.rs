@@ -8,6 +8,8 @@
 
 use std::collections::{hash_map::Entry, HashMap, HashSet};
 
+use crate::engine::keys::{KeyMap, KeySet};
+
 /// Which processes may share merged pages with each other.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum DomainPolicy {
@@ -149,10 +151,10 @@ pub struct Domains {
     ids: HashMap<String, (u32, usize)>,
     next: u32,
     /// Content checksum → (owning domain, targets that claimed it).
-    owners: HashMap<u64, (u32, usize)>,
+    owners: KeyMap<(u32, usize)>,
     /// Contents found merged across domains: no domain marks them again. A prober that
     /// guessed one learns it once; the targets holding it stop sharing it.
-    contested: HashSet<u64>,
+    contested: KeySet,
 }
 
 impl Domains {
@@ -169,7 +171,7 @@ impl Domains {
 
     /// A target of domain `name` leaves, releasing the contents it claimed; returns true if
     /// the domain is now empty (and forgotten).
-    pub fn leave(&mut self, name: &str, claimed: &HashSet<u64>) -> bool {
+    pub fn leave(&mut self, name: &str, claimed: &KeySet) -> bool {
         for sum in claimed {
             if let Entry::Occupied(mut owner) = self.owners.entry(*sum) {
                 owner.get_mut().1 -= 1;
@@ -222,7 +224,7 @@ impl Domains {
     /// Whether a target of domain `id`, which has claimed `claimed`, may mark content `sum`:
     /// yes if no domain owns it yet (it then owns it) or if `id` does, and it was never
     /// found merged across domains.
-    pub fn claim(&mut self, sum: u64, id: u32, claimed: &mut HashSet<u64>) -> bool {
+    pub fn claim(&mut self, sum: u64, id: u32, claimed: &mut KeySet) -> bool {
         if self.contested.contains(&sum) {
             return false;
         }
@@ -251,7 +253,7 @@ mod tests {
         assert_eq!(a, a2);
         assert_ne!(a, b);
         let (mut claims_a, mut claims_a2, mut claims_b) =
-            (HashSet::new(), HashSet::new(), HashSet::new());
+            (KeySet::default(), KeySet::default(), KeySet::default());
         assert!(domains.claim(7, a, &mut claims_a));
         assert!(domains.claim(7, a, &mut claims_a), "claiming again is fine");
         assert!(domains.claim(7, a2, &mut claims_a2), "same domain");
@@ -293,7 +295,7 @@ mod tests {
     fn a_contested_content_is_no_domains_to_mark() {
         let mut domains = Domains::default();
         let a = domains.join("uid 0");
-        let mut claims = HashSet::new();
+        let mut claims = KeySet::default();
         assert!(domains.claim(7, a, &mut claims));
         assert_eq!(domains.owner(7), Some(a));
         assert_eq!(domains.id_of("uid 0"), Some(a));

@@ -7,13 +7,15 @@
 //! them to the scan and the marking for the length of a call. When a target is dropped, all
 //! of it goes at once: nothing about a process outlives its record, and since the record
 //! holds a pidfd, nothing in it can ever describe a later process that reuses the pid.
-
-use std::collections::{HashMap, HashSet};
-
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    engine::{dirty::DirtyState, merge::Backoff, pages::PageState},
+    engine::{
+        dirty::DirtyState,
+        keys::{KeyMap, KeySet},
+        merge::Backoff,
+        pages::PageState,
+    },
     kernel::{
         process::{Process, ProcessId},
         ranges::RangeSet,
@@ -53,16 +55,16 @@ pub struct Target {
     /// Ranges marked mergeable in it.
     pub(crate) marked: RangeSet,
     /// Pages mapped to KSM frames at the last pass.
-    pub(crate) merged: HashSet<u64>,
+    pub(crate) merged: KeySet,
     /// Verified duplicates not yet marked, with their checksum.
-    pub(crate) candidates: HashMap<u64, u64>,
+    pub(crate) candidates: KeyMap<u64>,
     /// Duplicates found when their page was first read, with their checksum: they become
     /// candidates at the next pass if they are still in the index with company then (that
     /// is, neither they nor their class were written: the checksum gate, kept by the dirty
     /// bit instead of by hashing again).
     pub(crate) held: Vec<(u64, u64)>,
     /// Contents (by checksum) it has marked or has merged: its domain owns them.
-    pub(crate) owned: HashSet<u64>,
+    pub(crate) owned: KeySet,
     /// Regions whose merged pages keep breaking.
     pub(crate) backoff: Backoff,
     /// Counters.
@@ -81,10 +83,10 @@ impl Target {
             dirty: DirtyState::default(),
             pages: PageState::default(),
             marked: RangeSet::default(),
-            merged: HashSet::new(),
-            candidates: HashMap::new(),
+            merged: KeySet::default(),
+            candidates: KeyMap::default(),
             held: Vec::new(),
-            owned: HashSet::new(),
+            owned: KeySet::default(),
             backoff: Backoff::default(),
             counters: TargetCounters::default(),
             skipped: false,
