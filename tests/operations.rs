@@ -12,8 +12,8 @@ use std::{
 };
 
 use rksm_tests::{
-    ksm_pages, ksm_turn, require_root, rksm_command, twins, wait_for, with_hostile_host_config,
-    Running, TestChild,
+    ksm_pages, ksm_turn, proc_status, require_root, rksm_command, twins, wait_for,
+    with_hostile_host_config, Running, TestChild,
 };
 
 /// A scratch directory for one test, removed at the end.
@@ -767,7 +767,7 @@ fn ebpf_log_lines_arrive_in_the_structured_log() {
     let mut child = TestChild::spawn();
     let r = child.map(20_000);
     let pid = child.pid().to_string();
-    // A one-page ring overflows at once, and the eBPF program says so itself.
+    // A one-page ring overflows, and the eBPF program says so itself.
     let mut trace = rksm_command()
         .args(["trace", "--pid", &pid, "--ring-bytes", "4096", "--json"])
         .args(["--log-format", "json", "--duration", "30"])
@@ -781,7 +781,17 @@ fn ebpf_log_lines_arrive_in_the_structured_log() {
         line.clear();
         assert!(std::io::BufRead::read_line(&mut stderr, &mut line).unwrap() > 0);
     }
+    // With the reader stopped, nothing drains the ring: it overflows however fast the
+    // reader would have been.
+    let tracer = nix::unistd::Pid::from_raw(trace.id() as i32);
+    nix::sys::signal::kill(tracer, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    assert!(wait_for(Duration::from_secs(10), || proc_status(
+        trace.id(),
+        "State:"
+    )
+    .starts_with('T')));
     child.write(r, 0, 20_000, 9);
+    nix::sys::signal::kill(tracer, nix::sys::signal::Signal::SIGCONT).unwrap();
     child.exit();
     let mut rest = String::new();
     stderr.read_to_string(&mut rest).unwrap();

@@ -671,6 +671,12 @@ impl Index {
         }
     }
 
+    /// Keeps `content` as representative `rep`'s, with no check: the caller read it this pass
+    /// and hashed these very bytes to the checksum the index holds `rep` under.
+    pub fn preload_hashed(&mut self, rep: PageRef, content: &[u8; PAGE]) {
+        self.cache.insert(rep, content);
+    }
+
     /// The `n` contents with the most copies, most first.
     pub fn top(&self, n: usize) -> Vec<TopContent> {
         let mut all: Vec<(u64, &Class)> = self

@@ -189,6 +189,66 @@ impl ContentSource for LiveMemory {
     }
 }
 
+/// How many batches read in a pass are kept after they are placed.
+const RECENT_BATCHES: usize = 3;
+
+/// The last batches read in a pass, kept for the representatives of the next ones: the
+/// targets are read side by side, so the page a copy is compared with was most often read
+/// one to three steps before, and its bytes are still here, with the checksum computed from
+/// them. Finding it here spares a /proc/PID/mem read and a checksum. The buffers go round:
+/// each step reads into the oldest one's.
+#[derive(Default)]
+struct RecentBatches {
+    batches: VecDeque<ReadBatch>,
+}
+
+/// One batch: page `addrs[i]` of `pid`, with checksum `sums[i]`, at `bytes[i * PAGE..]`.
+struct ReadBatch {
+    pid: u32,
+    addrs: Vec<u64>,
+    sums: Vec<u64>,
+    bytes: Vec<u8>,
+}
+
+impl RecentBatches {
+    /// The bytes of `page`, if a recent batch read it and they have checksum `sum`.
+    fn find(&self, page: PageRef, sum: u64) -> Option<&[u8; PAGE]> {
+        self.batches
+            .iter()
+            .filter(|b| b.pid == page.pid)
+            .find_map(|b| {
+                let i = b.addrs.binary_search(&page.addr).ok()?;
+                let bytes = &b.bytes[i * PAGE..(i + 1) * PAGE];
+                (b.sums[i] == sum).then(|| bytes.try_into().ok()).flatten()
+            })
+    }
+
+    /// Keeps the batch just placed (`pid`'s pages `addrs`, ascending, with `sums`, in
+    /// `bytes`), and puts the oldest kept batch's buffer in `bytes` for the next read.
+    fn keep(&mut self, pid: u32, addrs: Vec<u64>, sums: Vec<u64>, bytes: &mut Vec<u8>) {
+        let spare = match self.batches.len() {
+            n if n >= RECENT_BATCHES => self.batches.pop_front().map(|b| b.bytes),
+            _ => None,
+        };
+        let spare = spare.unwrap_or_else(|| vec![0u8; bytes.len()]);
+        let read = std::mem::replace(bytes, spare);
+        self.batches.push_back(ReadBatch {
+            pid,
+            addrs,
+            sums,
+            bytes: read,
+        });
+    }
+
+    /// Forgets what was read (a new pass: pages may have changed since); keeps the buffers.
+    fn forget(&mut self) {
+        for batch in &mut self.batches {
+            batch.addrs.clear();
+            batch.sums.clear();
+        }
+    }
+}
+
 /// Why one process's scan stopped.
 enum ProcessScanError {
     Gone,
@@ -312,6 +372,8 @@ pub struct Scanner {
     live: LiveMemory,
     /// Representatives read ahead of their comparisons.
     rep_batch: Vec<u8>,
+    /// The batches read last, for the representatives of the next ones.
+    recent: RecentBatches,
     /// Pages a comparison found changed or gone, by pid: hashed again at its next pass.
     recheck: HashMap<u32, Vec<u64>>,
     merge_candidates: HashMap<u32, Vec<(u64, u64)>>,
@@ -343,6 +405,7 @@ impl Scanner {
             entries: vec![PagemapEntry(0); CHUNK_PAGES],
             live: LiveMemory::default(),
             rep_batch: Vec::new(),
+            recent: RecentBatches::default(),
             recheck: HashMap::new(),
             merge_candidates: HashMap::new(),
             ksm_pages: HashMap::new(),
@@ -407,6 +470,7 @@ impl Scanner {
         let mut report = PassReport::default();
         self.pfns_seen.clear();
         self.live.open.clear();
+        self.recent.forget();
 
         // Every target is planned, and what may have changed taken out of the index, before
         // anything is placed: a page is then never found equal to its own former self, and a
@@ -880,7 +944,13 @@ impl Scanner {
                 Some((index.representative_to_read(sum)?, sum))
             })
             .collect();
-        preload_representatives(index, &mut self.live, wanted, &mut self.rep_batch);
+        preload_representatives(
+            index,
+            &self.recent,
+            &mut self.live,
+            wanted,
+            &mut self.rep_batch,
+        );
         for candidate in &candidates {
             let page = PageRef {
                 pid,
@@ -973,6 +1043,7 @@ impl Scanner {
                 *known = checksum;
             }
         }
+        self.recent.keep(pid, to_read, fresh, &mut self.batch);
         for (addr, pfn, previous) in shared_mappings {
             // Another mapping of a frame placed once already: settled, not in the index.
             let checksum = match self.pfns_seen.get(&pfn) {
@@ -993,17 +1064,25 @@ impl Scanner {
     }
 }
 
-/// Reads the representatives `wanted` (with the checksum each must still have) into the
-/// index's cache, in runs of consecutive pages: one /proc/PID/mem read per run instead of one
-/// per comparison. The first pass after arming compares every duplicate with a page of
+/// Puts the representatives `wanted` (with the checksum each must still have) into the
+/// index's cache: from the recent batches if one of them read it, else read in runs of
+/// consecutive pages, one /proc/PID/mem read per run instead of one per comparison. The first pass after arming compares every duplicate with a page of
 /// another process, and those are mostly consecutive there too. A run that cannot be read in
 /// full is left to the comparisons, which read page by page and find what changed.
 fn preload_representatives(
     index: &mut Index,
+    recent: &RecentBatches,
     live: &mut LiveMemory,
     mut wanted: Vec<(PageRef, u64)>,
     buf: &mut Vec<u8>,
 ) {
+    wanted.retain(|&(page, sum)| match recent.find(page, sum) {
+        Some(bytes) => {
+            index.preload_hashed(page, bytes);
+            false
+        }
+        None => true,
+    });
     wanted.sort_unstable_by_key(|(page, _)| *page);
     wanted.dedup_by_key(|(page, _)| *page);
     let consecutive = |a: &(PageRef, u64), b: &(PageRef, u64)| {
@@ -1041,5 +1120,33 @@ mod tests {
         total.add(&one);
         assert_eq!(total.scanned_pages, 20);
         assert_eq!(total.savings_mib(), 2.0);
+    }
+
+    #[test]
+    fn recent_batches_give_back_what_they_read_with_its_checksum_and_only_this_pass() {
+        let mut recent = RecentBatches::default();
+        let batch = |fill: u8| {
+            let mut bytes = vec![fill; 2 * PAGE];
+            bytes[PAGE..].fill(fill + 1);
+            bytes
+        };
+        let page = |pid, addr| PageRef { pid, addr };
+        let mut buf = batch(10);
+        recent.keep(1, vec![0x1000, 0x3000], vec![10, 11], &mut buf);
+        assert_eq!(buf.len(), 2 * PAGE, "a fresh buffer of the same size");
+        assert_eq!(recent.find(page(1, 0x3000), 11), Some(&[11; PAGE]));
+        assert_eq!(recent.find(page(1, 0x3000), 12), None, "another checksum");
+        assert_eq!(recent.find(page(2, 0x3000), 11), None, "another process");
+        assert_eq!(recent.find(page(1, 0x2000), 10), None, "not read");
+        // Older batches give their buffers to newer ones.
+        for pid in 2..=RECENT_BATCHES as u32 + 1 {
+            buf.copy_from_slice(&batch(pid as u8 * 10));
+            recent.keep(pid, vec![0x1000, 0x2000], vec![1, 2], &mut buf);
+        }
+        assert_eq!(recent.batches.len(), RECENT_BATCHES);
+        assert_eq!(recent.find(page(1, 0x3000), 11), None, "the oldest went");
+        assert_eq!(recent.find(page(4, 0x2000), 2), Some(&[41; PAGE]));
+        recent.forget();
+        assert_eq!(recent.find(page(4, 0x2000), 2), None, "a new pass");
     }
 }
