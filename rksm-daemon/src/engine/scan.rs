@@ -424,6 +424,7 @@ impl Scanner {
     pub fn forget(&mut self, target: &mut Target) {
         let pid = target.pid();
         let pages = target.pages.clear();
+        target.held.clear();
         if let Some(index) = self.indexes.get_mut(&target.domain()) {
             for (addr, info) in pages {
                 if info.placed {
