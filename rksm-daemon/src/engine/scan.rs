@@ -310,6 +310,8 @@ struct Work {
     /// Ranges under write protection from now on: a page read in them for the first time
     /// is placed at once, and its duplicates held for the gate (see [`Target::held`]).
     hold: RangeSet,
+    /// Duplicates held at the last pass that passed the gate now: this pass's finds.
+    released: u64,
 }
 
 impl Work {
@@ -494,8 +496,8 @@ impl Scanner {
                 Err(ProcessScanError::Failed(why)) => report.failed.push((pid, why)),
             }
         }
-        for (target, _) in &mut plans {
-            self.release_held(target);
+        for (target, work) in &mut plans {
+            work.released = self.release_held(target);
         }
         let pages_total = plans.iter().map(|(_, w)| w.pages()).sum();
         let mut scans: Vec<InProgress<'_>> = plans
@@ -668,6 +670,7 @@ impl Scanner {
             rehash,
             unseen: std::mem::take(&mut target.dirty.unseen),
             hold,
+            released: 0,
         }
     }
 
@@ -675,14 +678,17 @@ impl Scanner {
     /// still in the index with company once every target's written pages have left it (a
     /// written page leaves in [`Scanner::plan`]), so neither they nor what they equal were
     /// written since they were compared. Their company is marked too, as at a placement.
-    fn release_held(&mut self, target: &mut Target) {
+    /// Returns how many passed.
+    fn release_held(&mut self, target: &mut Target) -> u64 {
         let held = std::mem::take(&mut target.held);
         let Some(index) = self.indexes.get(&target.domain()) else {
-            return;
+            return 0;
         };
         let pid = target.pid();
+        let mut released = 0;
         for (addr, checksum) in held {
             if let Some(other) = index.company(PageRef { pid, addr }, checksum) {
+                released += 1;
                 self.merge_candidates
                     .entry(pid)
                     .or_default()
@@ -693,6 +699,7 @@ impl Scanner {
                     .push((other.addr, checksum));
             }
         }
+        released
     }
 
     /// Opens `target` and lists what its scan will look at, chunk by chunk: the present
@@ -703,7 +710,11 @@ impl Scanner {
         let mut scan = InProgress {
             open: None,
             steps: VecDeque::new(),
-            counts: PageCounts::default(),
+            // Held duplicates count as found in the pass that lets them through the gate.
+            counts: PageCounts {
+                duplicate_pages: work.released,
+                ..PageCounts::default()
+            },
             misses: 0,
             done: 0,
             error: None,
@@ -1003,8 +1014,9 @@ impl Scanner {
             }
             match placement {
                 Placement::Unique => counts.unique_pages += 1,
+                // New, so not yet through the gate: volatile this pass, as before.
                 Placement::Duplicate { .. } if gated => {
-                    counts.duplicate_pages += 1;
+                    counts.volatile_pages += 1;
                     held.push((page.addr, checksum));
                 }
                 Placement::Duplicate { of } => {
@@ -1067,8 +1079,9 @@ impl Scanner {
 
 /// Puts the representatives `wanted` (with the checksum each must still have) into the
 /// index's cache: from the recent batches if one of them read it, else read in runs of
-/// consecutive pages, one /proc/PID/mem read per run instead of one per comparison. The first pass after arming compares every duplicate with a page of
-/// another process, and those are mostly consecutive there too. A run that cannot be read in
+/// consecutive pages, one /proc/PID/mem read per run instead of one per comparison. The
+/// first pass after arming compares every duplicate with a page of another process, and
+/// those are mostly consecutive there too. A run that cannot be read in
 /// full is left to the comparisons, which read page by page and find what changed.
 fn preload_representatives(
     index: &mut Index,
