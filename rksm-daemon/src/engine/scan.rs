@@ -218,8 +218,10 @@ impl RecentBatches {
             .filter(|b| b.pid == page.pid)
             .find_map(|b| {
                 let i = b.addrs.binary_search(&page.addr).ok()?;
-                let bytes = &b.bytes[i * PAGE..(i + 1) * PAGE];
-                (b.sums[i] == sum).then(|| bytes.try_into().ok()).flatten()
+                if b.sums[i] != sum {
+                    return None;
+                }
+                b.bytes[i * PAGE..(i + 1) * PAGE].try_into().ok()
             })
     }
 
@@ -742,7 +744,9 @@ impl Scanner {
             let present = match open.pagemap.present_runs(range.start, range.end) {
                 Ok(present) => present,
                 Err(e) => {
+                    // Nothing of it is read: it starts over next pass.
                     scan.error = Some(e.into());
+                    scan.steps.clear();
                     return scan;
                 }
             };
