@@ -17,6 +17,8 @@
 
 use std::{
     collections::{HashMap, HashSet, VecDeque},
+    sync::{mpsc, Arc},
+    thread,
     time::Instant,
 };
 
@@ -226,20 +228,25 @@ impl RecentBatches {
     }
 
     /// Keeps the batch just placed (`pid`'s pages `addrs`, ascending, with `sums`, in
-    /// `bytes`), and puts the oldest kept batch's buffer in `bytes` for the next read.
-    fn keep(&mut self, pid: u32, addrs: Vec<u64>, sums: Vec<u64>, bytes: &mut Vec<u8>) {
+    /// `bytes`), and gives back the buffer of the oldest kept batch for another read.
+    fn keep(
+        &mut self,
+        pid: u32,
+        addrs: Vec<u64>,
+        sums: Vec<u64>,
+        bytes: Vec<u8>,
+    ) -> Option<Vec<u8>> {
         let spare = match self.batches.len() {
             n if n >= RECENT_BATCHES => self.batches.pop_front().map(|b| b.bytes),
             _ => None,
         };
-        let spare = spare.unwrap_or_else(|| vec![0u8; bytes.len()]);
-        let read = std::mem::replace(bytes, spare);
         self.batches.push_back(ReadBatch {
             pid,
             addrs,
             sums,
-            bytes: read,
+            bytes,
         });
+        spare
     }
 
     /// Forgets what was read (a new pass: pages may have changed since); keeps the buffers.
@@ -355,7 +362,169 @@ struct Open {
     pid: u32,
     domain: u32,
     pagemap: Pagemap,
-    mem: ProcMem,
+    /// Shared with the reader thread.
+    mem: Arc<ProcMem>,
+}
+
+/// A chunk looked up in pagemap, waiting for its pages to be read before they are placed.
+struct Prepared {
+    /// Which of the pass's scans it belongs to.
+    scan: usize,
+    step: Step,
+    /// Pages pagemap covered.
+    got: usize,
+    candidates: Vec<Candidate>,
+    /// Further mappings of frames seen earlier in the pass: `(addr, pfn, previous checksum)`.
+    shared_mappings: Vec<(u64, u64, u64)>,
+}
+
+/// Pages of one process to read and checksum: `addrs`, ascending, into `bytes`.
+struct ReadJob {
+    mem: Arc<ProcMem>,
+    addrs: Vec<u64>,
+    mapped_once: Vec<bool>,
+    bytes: Vec<u8>,
+}
+
+/// A job done: page `addrs[i]` at `bytes[i * PAGE..]` with checksum `sums[i]`
+/// ([`NO_CHECKSUM`] if it could not be read).
+struct ReadDone {
+    addrs: Vec<u64>,
+    bytes: Vec<u8>,
+    sums: Vec<u64>,
+    result: Result<(), ReaderError>,
+    checksum_ns: u64,
+}
+
+/// Reads and checksums `job`'s pages.
+fn read_and_hash(job: ReadJob, kind: ChecksumKind) -> ReadDone {
+    let ReadJob {
+        mem,
+        addrs,
+        mapped_once,
+        mut bytes,
+    } = job;
+    if bytes.len() < addrs.len() * PAGE {
+        bytes.resize(CHUNK_PAGES.max(addrs.len()) * PAGE, 0);
+    }
+    let mut read_ok = vec![false; addrs.len()];
+    let result = reader::read_pages(&mem, &addrs, &mapped_once, &mut bytes, &mut read_ok);
+    let hashing = Instant::now();
+    let sums = match result {
+        Ok(_) => (0..addrs.len())
+            .map(|slot| match read_ok[slot] {
+                true => kind.checksum(&bytes[slot * PAGE..(slot + 1) * PAGE]),
+                false => NO_CHECKSUM,
+            })
+            .collect(),
+        Err(_) => Vec::new(),
+    };
+    ReadDone {
+        addrs,
+        bytes,
+        sums,
+        result: result.map(|_| ()),
+        checksum_ns: hashing.elapsed().as_nanos() as u64,
+    }
+}
+
+/// Chunks prepared and handed to the reader ahead of the one being placed, at most: chunks
+/// differ in what they cost to read and to place, and a reader kept a few ahead is not kept
+/// waiting by one costly placement.
+const READ_AHEAD_CHUNKS: usize = 4;
+
+/// Reader threads of a large pass.
+const READERS: usize = 2;
+
+/// A pass over at least this many pages reads on a thread of its own.
+const READ_AHEAD_PAGES: u64 = 8 * CHUNK_PAGES as u64;
+
+/// Where the chunks of a pass are read, in the order they were prepared. A pass over much
+/// memory spends half its time copying pages out of the targets and checksumming them and
+/// half placing them in the index; a reader thread does the first for one chunk while the
+/// scanner places the one before, so the two halves overlap (on two cores, a first pass
+/// takes about half the time, for the same CPU). A small pass (the steady state's few written
+/// pages) reads in line: a thread would cost more than it saves.
+enum Reads {
+    InLine {
+        kind: ChecksumKind,
+        done: VecDeque<ReadDone>,
+    },
+    /// Jobs go to the readers in turn, and come back in the same turn.
+    Threads {
+        readers: Vec<(mpsc::Sender<ReadJob>, mpsc::Receiver<ReadDone>)>,
+        submitted: usize,
+        taken: usize,
+    },
+}
+
+impl Reads {
+    fn in_line(kind: ChecksumKind) -> Self {
+        Reads::InLine {
+            kind,
+            done: VecDeque::new(),
+        }
+    }
+
+    /// `n` reader threads in `scope`; they end when this is dropped.
+    fn threads<'scope>(
+        scope: &'scope thread::Scope<'scope, '_>,
+        kind: ChecksumKind,
+        n: usize,
+    ) -> Self {
+        let readers = (0..n)
+            .map(|_| {
+                let (jobs, todo) = mpsc::channel::<ReadJob>();
+                let (finished, done) = mpsc::channel();
+                scope.spawn(move || {
+                    for job in todo {
+                        if finished.send(read_and_hash(job, kind)).is_err() {
+                            break;
+                        }
+                    }
+                });
+                (jobs, done)
+            })
+            .collect();
+        Reads::Threads {
+            readers,
+            submitted: 0,
+            taken: 0,
+        }
+    }
+
+    fn submit(&mut self, job: ReadJob) {
+        match self {
+            Reads::InLine { kind, done } => done.push_back(read_and_hash(job, *kind)),
+            Reads::Threads {
+                readers, submitted, ..
+            } => {
+                // A reader that is gone (a bug: it does not panic) shows as a job never done.
+                _ = readers[*submitted % readers.len()].0.send(job);
+                *submitted += 1;
+            }
+        }
+    }
+
+    /// The oldest job submitted and not yet taken, once done: the reader thread's wait is
+    /// the one an in-line read would have had.
+    fn next(&mut self) -> Option<ReadDone> {
+        match self {
+            Reads::InLine { done, .. } => done.pop_front(),
+            Reads::Threads {
+                readers,
+                submitted,
+                taken,
+            } => {
+                if taken == submitted {
+                    return None;
+                }
+                let done = readers[*taken % readers.len()].1.recv().ok();
+                *taken += 1;
+                done
+            }
+        }
+    }
 }
 
 /// Scans targets pass after pass; what it remembers about each target is kept in the
@@ -370,8 +539,8 @@ pub struct Scanner {
     zero_checksum: u64,
     /// Physical pages mapped more than once, seen this pass, with their checksum once known.
     pfns_seen: HashMap<u64, u64>,
-    batch: Vec<u8>,
-    read_ok: Vec<bool>,
+    /// Buffers for batches of pages read, not in use (one batch: [`CHUNK_PAGES`] pages).
+    spare_batches: Vec<Vec<u8>>,
     entries: Vec<PagemapEntry>,
     live: LiveMemory,
     /// Representatives read ahead of their comparisons.
@@ -404,8 +573,7 @@ impl Scanner {
             dirty,
             kpageflags: KpageFlags::open()?,
             pfns_seen: HashMap::new(),
-            batch: vec![0u8; CHUNK_PAGES * PAGE],
-            read_ok: vec![false; CHUNK_PAGES],
+            spare_batches: Vec::new(),
             entries: vec![PagemapEntry(0); CHUNK_PAGES],
             live: LiveMemory::default(),
             rep_batch: Vec::new(),
@@ -508,28 +676,61 @@ impl Scanner {
             .collect();
         // The targets are read side by side, a chunk of each in turn: workers of one program
         // hold their copies of a content at about the same place, so the representative a
-        // copy is compared with is still in the index's cache when the next copies come.
-        'scanning: loop {
-            let mut stepped = false;
-            for i in 0..scans.len() {
-                if scans[i].steps.is_empty() {
-                    continue;
+        // copy is compared with is still in the index's cache when the next copies come. One
+        // chunk is read while the one before it is placed.
+        let kind = self.config.checksum;
+        thread::scope(|scope| {
+            let mut reads = match pages_total >= READ_AHEAD_PAGES {
+                true => Reads::threads(scope, kind, READERS),
+                false => Reads::in_line(kind),
+            };
+            let mut in_flight: VecDeque<Prepared> = VecDeque::new();
+            let mut turn = 0;
+            loop {
+                while in_flight.len() < READ_AHEAD_CHUNKS {
+                    let Some(which) = (0..scans.len())
+                        .map(|k| (turn + k) % scans.len())
+                        .find(|&k| !scans[k].steps.is_empty())
+                    else {
+                        break;
+                    };
+                    if self.stop.as_ref().is_some_and(|stop| stop()) {
+                        report.stopped = true;
+                        return;
+                    }
+                    turn = which + 1;
+                    if let Some(prepared) = self.prepare_next(&mut scans[which], which, &mut reads)
+                    {
+                        in_flight.push_back(prepared);
+                    }
                 }
-                if self.stop.as_ref().is_some_and(|stop| stop()) {
-                    report.stopped = true;
-                    break 'scanning;
+                let Some(prepared) = in_flight.pop_front() else {
+                    break;
+                };
+                let scan = &mut scans[prepared.scan];
+                let weight = prepared.step.weight;
+                match reads.next() {
+                    // Its scan failed since it was prepared: nothing of it is placed.
+                    Some(done) if scan.error.is_some() => self.spare_batches.push(done.bytes),
+                    Some(done) => {
+                        if let Err(e) = self.place(scan, prepared, done) {
+                            scan.error = Some(e);
+                            scan.steps.clear();
+                        }
+                    }
+                    None => {
+                        scan.error =
+                            Some(ProcessScanError::Failed("the reader thread ended".into()));
+                        scan.steps.clear();
+                    }
                 }
-                self.step(&mut scans[i]);
-                stepped = true;
+                scan.done += weight;
                 progress(Progress {
                     pages_done: scans_done(&scans),
                     pages_total,
                 });
             }
-            if !stepped {
-                break;
-            }
-        }
+        });
         for mut scan in scans {
             if report.stopped {
                 break;
@@ -730,7 +931,7 @@ impl Scanner {
                     pid,
                     domain: scan.target.domain(),
                     pagemap,
-                    mem: ProcMem::open(pid)?,
+                    mem: Arc::new(ProcMem::open(pid)?),
                 })
             });
         let open = match opened {
@@ -787,26 +988,42 @@ impl Scanner {
         scan
     }
 
-    /// Looks at the next chunk of `scan`; a failure ends its scan.
-    fn step(&mut self, scan: &mut InProgress<'_>) {
-        let Some(step) = scan.steps.pop_front() else {
-            return;
-        };
-        match self.scan_run(scan, step) {
-            // Fewer entries than asked: the rest of the run, from where pagemap stopped.
-            Ok(got) if got > 0 && got < step.pages => scan.steps.push_front(Step {
-                start: step.start + got as u64 * PAGE_SIZE,
-                pages: step.pages - got,
-                weight: 0,
-                ..step
-            }),
-            Ok(_) => {}
+    /// Takes the next chunk of `scan` and looks it up in pagemap: what to read of it goes to
+    /// `reads`, the rest waits in the returned [`Prepared`] for [`Scanner::place`]. A failure
+    /// ends the scan.
+    fn prepare_next(
+        &mut self,
+        scan: &mut InProgress<'_>,
+        which: usize,
+        reads: &mut Reads,
+    ) -> Option<Prepared> {
+        let step = scan.steps.pop_front()?;
+        match self.prepare(scan, which, step) {
+            Ok(Some((prepared, job))) => {
+                // Fewer entries than asked: the rest of the run, from where pagemap stopped.
+                let got = prepared.got;
+                if got > 0 && got < step.pages {
+                    scan.steps.push_front(Step {
+                        start: step.start + got as u64 * PAGE_SIZE,
+                        pages: step.pages - got,
+                        weight: 0,
+                        ..step
+                    });
+                }
+                reads.submit(job);
+                Some(prepared)
+            }
+            Ok(None) => {
+                scan.done += step.weight;
+                None
+            }
             Err(e) => {
                 scan.error = Some(e);
                 scan.steps.clear();
+                scan.done += step.weight;
+                None
             }
         }
-        scan.done += step.weight;
     }
 
     /// Ends `scan`: what it counted, or why it failed.
@@ -824,30 +1041,29 @@ impl Scanner {
         Ok(counts)
     }
 
-    /// Looks at the pages of `step`: forgets the absent, hashes the ones that may have
-    /// changed (of a sparse step, the work's `rehash`; else all), places the present, and
-    /// records them in the target's pages. A page of the work's `unseen` whose checksum
-    /// changed is counted as a miss. Returns how many pages pagemap covered.
-    fn scan_run(
+    /// Looks up the pages of `step` (of scan number `which`) in pagemap: forgets the absent,
+    /// and lists the present with how each is to be obtained; those that may have changed (of
+    /// a sparse step, the work's `rehash`; else all) are to be read, in the returned job.
+    /// None if the target could not be opened.
+    fn prepare(
         &mut self,
         scan: &mut InProgress<'_>,
+        which: usize,
         step: Step,
-    ) -> Result<usize, ProcessScanError> {
+    ) -> Result<Option<(Prepared, ReadJob)>, ProcessScanError> {
         let InProgress {
             target,
             work,
             open: Some(open),
             counts,
-            misses,
             ..
         } = scan
         else {
-            return Ok(0);
+            return Ok(None);
         };
         let (start, n) = (step.start, step.pages);
         let rehash = step.sparse.then_some(&work.rehash);
-        let (unseen, hold) = (&work.unseen, &work.hold);
-        let (pages, held) = (&mut target.pages, &mut target.held);
+        let pages = &mut target.pages;
         let pid = open.pid;
         let got = open.pagemap.read(start, &mut self.entries[..n])?;
         counts.pagemap_pages += got as u64;
@@ -923,25 +1139,64 @@ impl Scanner {
             });
         }
 
-        reader::read_pages(
-            &open.mem,
-            &to_read,
-            &mapped_once,
-            &mut self.batch,
-            &mut self.read_ok,
-        )?;
+        let job = ReadJob {
+            mem: open.mem.clone(),
+            addrs: to_read,
+            mapped_once,
+            bytes: self.spare_batches.pop().unwrap_or_default(),
+        };
+        let prepared = Prepared {
+            scan: which,
+            step,
+            got,
+            candidates,
+            shared_mappings,
+        };
+        Ok(Some((prepared, job)))
+    }
+
+    /// Places the pages of a prepared step, once its read is `done`: what was read is
+    /// checksummed, the present pages are placed and recorded in the target's pages. A page of
+    /// the work's `unseen` whose checksum changed is counted as a miss.
+    fn place(
+        &mut self,
+        scan: &mut InProgress<'_>,
+        prepared: Prepared,
+        done: ReadDone,
+    ) -> Result<(), ProcessScanError> {
+        let ReadDone {
+            addrs: to_read,
+            bytes,
+            sums: fresh,
+            result,
+            checksum_ns,
+        } = done;
+        let InProgress {
+            target,
+            work,
+            open: Some(open),
+            counts,
+            misses,
+            ..
+        } = scan
+        else {
+            self.spare_batches.push(bytes);
+            return Ok(());
+        };
+        if let Err(e) = result {
+            self.spare_batches.push(bytes);
+            return Err(e.into());
+        }
+        let Prepared {
+            candidates,
+            shared_mappings,
+            ..
+        } = prepared;
+        let (unseen, hold) = (&work.unseen, &work.hold);
+        let (pages, held) = (&mut target.pages, &mut target.held);
+        let pid = open.pid;
         let kind = self.config.checksum;
-        let hashing = Instant::now();
-        let fresh: Vec<u64> = (0..to_read.len())
-            .map(|slot| {
-                if self.read_ok[slot] {
-                    kind.checksum(&self.batch[slot * PAGE..(slot + 1) * PAGE])
-                } else {
-                    NO_CHECKSUM
-                }
-            })
-            .collect();
-        counts.checksum_ns += hashing.elapsed().as_nanos() as u64;
+        counts.checksum_ns += checksum_ns;
         counts.pages_hashed += fresh.iter().filter(|&&c| c != NO_CHECKSUM).count() as u64;
 
         let index = self
@@ -985,7 +1240,7 @@ impl Scanner {
                     }
                     (
                         fresh[slot],
-                        Content::Loaded(&self.batch[slot * PAGE..(slot + 1) * PAGE]),
+                        Content::Loaded(&bytes[slot * PAGE..(slot + 1) * PAGE]),
                     )
                 }
                 Source::Known => (candidate.previous, Content::Unread),
@@ -1060,7 +1315,9 @@ impl Scanner {
                 *known = checksum;
             }
         }
-        self.recent.keep(pid, to_read, fresh, &mut self.batch);
+        if let Some(spare) = self.recent.keep(pid, to_read, fresh, bytes) {
+            self.spare_batches.push(spare);
+        }
         for (addr, pfn, previous) in shared_mappings {
             // Another mapping of a frame placed once already: settled, not in the index.
             let checksum = match self.pfns_seen.get(&pfn) {
@@ -1077,7 +1334,7 @@ impl Scanner {
                 );
             }
         }
-        Ok(got)
+        Ok(())
     }
 }
 
@@ -1141,6 +1398,71 @@ mod tests {
     }
 
     #[test]
+    fn readers_give_back_every_job_read_and_checksummed_in_the_order_it_was_submitted() {
+        // This process's own pages, 64 of them, each filled with its number.
+        let mut memory = vec![0u8; 65 * PAGE];
+        let base = (memory.as_ptr() as usize).next_multiple_of(PAGE);
+        let offset = base - memory.as_ptr() as usize;
+        for (i, page) in memory[offset..offset + 64 * PAGE]
+            .chunks_mut(PAGE)
+            .enumerate()
+        {
+            page.fill(i as u8);
+        }
+        let mem = Arc::new(ProcMem::open(std::process::id()).expect("/proc/self/mem"));
+        let kind = ChecksumKind::Xxh64;
+        // Jobs of 1 to 11 pages, one left unmapped at the end (address 8 is never mapped).
+        let jobs = || {
+            (1..=11u64).map(|n| {
+                let first = (n * n) % 53;
+                let mut addrs: Vec<u64> = (first..first + n)
+                    .map(|i| base as u64 + i * PAGE_SIZE)
+                    .collect();
+                if n == 5 {
+                    addrs.push(8 * PAGE_SIZE);
+                }
+                ReadJob {
+                    mem: mem.clone(),
+                    mapped_once: vec![true; addrs.len()],
+                    addrs,
+                    bytes: Vec::new(),
+                }
+            })
+        };
+        let in_line: Vec<ReadDone> = {
+            let mut reads = Reads::in_line(kind);
+            jobs().for_each(|j| reads.submit(j));
+            std::iter::from_fn(|| reads.next()).collect()
+        };
+        let threaded: Vec<ReadDone> = thread::scope(|scope| {
+            let mut reads = Reads::threads(scope, kind, 3);
+            jobs().for_each(|j| reads.submit(j));
+            (0..11).filter_map(|_| reads.next()).collect()
+        });
+        assert_eq!(in_line.len(), 11);
+        assert_eq!(threaded.len(), 11);
+        for (n, (a, b)) in (1..=11u64).zip(in_line.iter().zip(&threaded)) {
+            let first = (n * n) % 53;
+            assert_eq!(a.addrs, b.addrs, "job {n}: in order");
+            assert_eq!(a.sums, b.sums, "job {n}");
+            for (slot, i) in (first..first + n).enumerate() {
+                let page = &b.bytes[slot * PAGE..(slot + 1) * PAGE];
+                assert!(page.iter().all(|&x| x == i as u8), "job {n}, page {i}");
+                assert_eq!(b.sums[slot], kind.checksum(page), "job {n}, page {i}");
+            }
+            assert!(b.result.is_ok(), "job {n}");
+            if n == 5 {
+                assert_eq!(
+                    b.sums.last(),
+                    Some(&NO_CHECKSUM),
+                    "an unmapped page is not read"
+                );
+            }
+        }
+        drop(memory);
+    }
+
+    #[test]
     fn recent_batches_give_back_what_they_read_with_its_checksum_and_only_this_pass() {
         let mut recent = RecentBatches::default();
         let batch = |fill: u8| {
@@ -1149,18 +1471,22 @@ mod tests {
             bytes
         };
         let page = |pid, addr| PageRef { pid, addr };
-        let mut buf = batch(10);
-        recent.keep(1, vec![0x1000, 0x3000], vec![10, 11], &mut buf);
-        assert_eq!(buf.len(), 2 * PAGE, "a fresh buffer of the same size");
+        assert_eq!(
+            recent.keep(1, vec![0x1000, 0x3000], vec![10, 11], batch(10)),
+            None,
+            "nothing to give back yet"
+        );
         assert_eq!(recent.find(page(1, 0x3000), 11), Some(&[11; PAGE]));
         assert_eq!(recent.find(page(1, 0x3000), 12), None, "another checksum");
         assert_eq!(recent.find(page(2, 0x3000), 11), None, "another process");
         assert_eq!(recent.find(page(1, 0x2000), 10), None, "not read");
-        // Older batches give their buffers to newer ones.
-        for pid in 2..=RECENT_BATCHES as u32 + 1 {
-            buf.copy_from_slice(&batch(pid as u8 * 10));
-            recent.keep(pid, vec![0x1000, 0x2000], vec![1, 2], &mut buf);
+        // Older batches give their buffers back for newer ones.
+        for pid in 2..=RECENT_BATCHES as u32 {
+            let spare = recent.keep(pid, vec![0x1000, 0x2000], vec![1, 2], batch(pid as u8 * 10));
+            assert_eq!(spare, None);
         }
+        let spare = recent.keep(4, vec![0x1000, 0x2000], vec![1, 2], batch(40));
+        assert_eq!(spare, Some(batch(10)), "the oldest batch's buffer");
         assert_eq!(recent.batches.len(), RECENT_BATCHES);
         assert_eq!(recent.find(page(1, 0x3000), 11), None, "the oldest went");
         assert_eq!(recent.find(page(4, 0x2000), 2), Some(&[41; PAGE]));
