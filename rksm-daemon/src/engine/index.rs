@@ -28,7 +28,7 @@ use rksm_common::PAGE_SIZE;
 
 use crate::engine::{
     checksum::{ChecksumKind, PageChecksum},
-    keys::KeyMap,
+    keys::{BuildKeyHasher, KeyMap},
 };
 
 const PAGE: usize = PAGE_SIZE as usize;
@@ -95,7 +95,10 @@ pub struct TopContent {
 #[derive(Debug, Clone)]
 enum Members {
     Few(Vec<PageRef>),
-    Many { rep: PageRef, all: HashSet<PageRef> },
+    Many {
+        rep: PageRef,
+        all: HashSet<PageRef, BuildKeyHasher>,
+    },
 }
 
 impl Members {
@@ -118,7 +121,7 @@ impl Members {
             Members::Few(v) if v.len() < FEW => v.push(page),
             Members::Few(v) => {
                 let rep = v[0];
-                let mut all: HashSet<PageRef> = v.drain(..).collect();
+                let mut all: HashSet<PageRef, BuildKeyHasher> = v.drain(..).collect();
                 all.insert(page);
                 *self = Members::Many { rep, all };
             }
@@ -203,7 +206,7 @@ impl Single {
 /// Representative contents kept in memory, first in first out.
 #[derive(Debug, Default)]
 struct RepCache {
-    pages: HashMap<PageRef, Box<[u8; PAGE]>>,
+    pages: HashMap<PageRef, Box<[u8; PAGE]>, BuildKeyHasher>,
     order: VecDeque<PageRef>,
     capacity: usize,
 }

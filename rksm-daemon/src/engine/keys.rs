@@ -1,5 +1,5 @@
-//! Hashing for the maps the engine fills with a million keys a pass: checksums and page
-//! addresses.
+//! Hashing for the maps the engine fills with a million keys a pass: checksums, page addresses
+//! and pages (a pid and an address).
 //!
 //! The standard library's SipHash resists keys chosen to collide, which these keys are not:
 //! a checksum is a hash already, and a page address is the process's own layout, not chosen

@@ -12,8 +12,10 @@
 //! Physical pages are counted once: a frame mapped a second time (fork, KSM, the zero page) is
 //! already shared, and merging cannot free it again. The targets are read side by side, one
 //! 2 MiB chunk of each in turn, so that copies of a content in several processes meet while
-//! its representative is still cached. A process that exits or unmaps memory mid-pass only
-//! loses its own numbers for that pass.
+//! its representative is still cached. A large pass reads and checksums on two reader
+//! threads ([`Reads`]) while this one places the chunks read before; everything that decides
+//! stays on this thread. A process that exits or unmaps memory mid-pass only loses its own
+//! numbers for that pass.
 
 use std::{
     collections::{HashMap, HashSet, VecDeque},
@@ -466,26 +468,32 @@ impl Reads {
         }
     }
 
-    /// `n` reader threads in `scope`; they end when this is dropped.
+    /// `n` reader threads in `scope`, named `rksm-reader`; they end when this is dropped. If
+    /// a thread cannot be started (a task limit), the pass reads in line instead.
     fn threads<'scope>(
         scope: &'scope thread::Scope<'scope, '_>,
         kind: ChecksumKind,
         n: usize,
     ) -> Self {
-        let readers = (0..n)
-            .map(|_| {
-                let (jobs, todo) = mpsc::channel::<ReadJob>();
-                let (finished, done) = mpsc::channel();
-                scope.spawn(move || {
+        let mut readers = Vec::with_capacity(n);
+        for _ in 0..n {
+            let (jobs, todo) = mpsc::channel::<ReadJob>();
+            let (finished, done) = mpsc::channel();
+            let started = thread::Builder::new()
+                .name("rksm-reader".into())
+                .spawn_scoped(scope, move || {
                     for job in todo {
                         if finished.send(read_and_hash(job, kind)).is_err() {
                             break;
                         }
                     }
                 });
-                (jobs, done)
-            })
-            .collect();
+            if let Err(e) = started {
+                log::debug!("reading in line: no reader thread ({e})");
+                return Reads::in_line(kind);
+            }
+            readers.push((jobs, done));
+        }
         Reads::Threads {
             readers,
             submitted: 0,
