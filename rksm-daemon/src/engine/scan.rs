@@ -438,7 +438,7 @@ const READ_AHEAD_CHUNKS: usize = 4;
 /// Reader threads of a large pass.
 const READERS: usize = 2;
 
-/// A pass over at least this many pages reads on a thread of its own.
+/// A pass over at least this many pages reads on reader threads (given two CPUs or more).
 const READ_AHEAD_PAGES: u64 = 8 * CHUNK_PAGES as u64;
 
 /// Where the chunks of a pass are read, in the order they were prepared. A pass over much
@@ -547,6 +547,9 @@ pub struct Scanner {
     zero_checksum: u64,
     /// Physical pages mapped more than once, seen this pass, with their checksum once known.
     pfns_seen: HashMap<u64, u64>,
+    /// CPUs this process may run on, when it started: with one, reader threads would only
+    /// take turns with the scanner.
+    cpus: usize,
     /// Buffers for batches of pages read, not in use (one batch: [`CHUNK_PAGES`] pages).
     spare_batches: Vec<Vec<u8>>,
     entries: Vec<PagemapEntry>,
@@ -581,6 +584,7 @@ impl Scanner {
             dirty,
             kpageflags: KpageFlags::open()?,
             pfns_seen: HashMap::new(),
+            cpus: thread::available_parallelism().map_or(1, |n| n.get()),
             spare_batches: Vec::new(),
             entries: vec![PagemapEntry(0); CHUNK_PAGES],
             live: LiveMemory::default(),
@@ -688,7 +692,7 @@ impl Scanner {
         // chunk is read while the one before it is placed.
         let kind = self.config.checksum;
         thread::scope(|scope| {
-            let mut reads = match pages_total >= READ_AHEAD_PAGES {
+            let mut reads = match pages_total >= READ_AHEAD_PAGES && self.cpus > 1 {
                 true => Reads::threads(scope, kind, READERS),
                 false => Reads::in_line(kind),
             };
