@@ -9,6 +9,7 @@
 use std::collections::{hash_map::Entry, HashMap, HashSet};
 
 use crate::engine::keys::{KeyMap, KeySet};
+use crate::kernel::process;
 
 /// Which processes may share merged pages with each other.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -53,13 +54,7 @@ impl DomainPolicy {
                 // All of its user ids, read again every pass: a process that changes one
                 // (setuid, seteuid) changes domain.
                 let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-                let uids: Vec<u32> = status
-                    .lines()
-                    .find_map(|l| l.strip_prefix("Uid:"))?
-                    .split_whitespace()
-                    .map(|u| u.parse().ok())
-                    .collect::<Option<_>>()?;
-                uid_domain(&uids)
+                uid_domain(&process::status_ids(&status, "Uid:")?)
             }
             DomainPolicy::Cgroup => {
                 // The whole membership list: v2's single line, or every v1 hierarchy's.

@@ -275,6 +275,17 @@ struct ProcStat {
     innermost_pid: u32,
 }
 
+/// The real, effective, saved and filesystem ids on line `name` (`Uid:` or `Gid:`) of a
+/// /proc/PID/status text.
+pub fn status_ids(status: &str, name: &str) -> Option<[u32; 4]> {
+    let line = status.lines().find_map(|l| l.strip_prefix(name))?;
+    let ids: Vec<u32> = line
+        .split_whitespace()
+        .map(|w| w.parse().ok())
+        .collect::<Option<_>>()?;
+    ids.try_into().ok()
+}
+
 impl ProcStat {
     fn read(pid: u32) -> Result<Self, TargetError> {
         let not_found_or_io = |source: io::Error| match source.kind() {
@@ -298,13 +309,7 @@ impl ProcStat {
         let start_ticks = stat_field(stat, 22)?.parse().ok()?;
         let field = |name: &str| status.lines().find_map(|l| l.strip_prefix(name));
         let tgid = field("Tgid:")?.trim().parse().ok()?;
-        let ids = |name: &str| -> Option<[u32; 4]> {
-            let v: Vec<u32> = field(name)?
-                .split_whitespace()
-                .map(|w| w.parse().ok())
-                .collect::<Option<_>>()?;
-            v.try_into().ok()
-        };
+        let ids = |name: &str| status_ids(status, name);
         // Without a namespace line (old kernels), the pid is its own.
         let innermost_pid = match field("NSpid:") {
             Some(ns) => ns.split_whitespace().last()?.parse().ok()?,
