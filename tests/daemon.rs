@@ -272,6 +272,108 @@ fn duplicates_found_at_the_first_read_are_marked_after_a_clean_pass_without_read
     }
 }
 
+/// Whether a thread named `rksm-reader` shows up in this process while `during` runs
+/// (looked for every millisecond, on a thread of its own).
+fn reader_threads_seen<T>(during: impl FnOnce() -> T) -> (T, bool) {
+    let done = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let watcher = scope.spawn(|| {
+            let mut seen = false;
+            while !done.load(std::sync::atomic::Ordering::Acquire) && !seen {
+                seen = std::fs::read_dir("/proc/self/task")
+                    .into_iter()
+                    .flatten()
+                    .flatten()
+                    .any(|task| {
+                        std::fs::read_to_string(task.path().join("comm"))
+                            .is_ok_and(|comm| comm.trim() == "rksm-reader")
+                    });
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            seen
+        });
+        let out = during();
+        done.store(true, std::sync::atomic::Ordering::Release);
+        (out, watcher.join().expect("the watcher"))
+    })
+}
+
+/// Runs `f` with this thread allowed on CPU 0 only (the daemon reads its CPUs when it starts).
+fn on_one_cpu<T>(f: impl FnOnce() -> T) -> T {
+    let size = std::mem::size_of::<libc::cpu_set_t>();
+    // SAFETY: cpu_set_t is plain data, all zeros a valid empty set; the calls get its size and
+    // a pointer to it, valid for the call.
+    let (mut saved, mut one): (libc::cpu_set_t, libc::cpu_set_t) = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; pid 0 is this thread.
+    unsafe {
+        assert_eq!(libc::sched_getaffinity(0, size, &mut saved), 0);
+        libc::CPU_SET(0, &mut one);
+        assert_eq!(libc::sched_setaffinity(0, size, &one), 0);
+    }
+    let out = f();
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::sched_setaffinity(0, size, &saved) }, 0);
+    out
+}
+
+#[test]
+fn a_large_pass_reads_on_reader_threads_or_on_one_cpu_in_line_and_merges_the_same() {
+    require_root();
+    let _turn = ksm_turn();
+    if std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
+        eprintln!("one CPU here: only the in-line half of this test can run");
+    }
+    // Two processes holding the same 32 MiB: a first pass of 16,384 pages (the reader threads
+    // start at 4,096).
+    const TWIN_PAGES: u64 = 8192;
+    for one_cpu in [false, true] {
+        // Every page different, each the same in both.
+        let twins: Vec<(TestChild, Region)> = (0..2)
+            .map(|_| {
+                let mut child = TestChild::spawn();
+                let region = child.map(TWIN_PAGES);
+                child.write_unique(region, 0, TWIN_PAGES, 31);
+                (child, region)
+            })
+            .collect();
+        let regions: Vec<(u32, Region, u64)> = twins
+            .iter()
+            .map(|(c, r)| (c.pid(), *r, TWIN_PAGES))
+            .collect();
+        let mut daemon = match one_cpu {
+            true => on_one_cpu(|| daemon_over(&regions, DirtyMode::Ebpf)),
+            false => daemon_over(&regions, DirtyMode::Ebpf),
+        };
+        let (first, readers) = reader_threads_seen(|| daemon.pass());
+        let threads_expected =
+            !one_cpu && std::thread::available_parallelism().map_or(1, |n| n.get()) > 1;
+        assert_eq!(
+            readers, threads_expected,
+            "one CPU: {one_cpu}: reader threads seen: {readers}"
+        );
+        assert_eq!(first.pages_hashed, 2 * TWIN_PAGES, "{first:?}");
+        let second = daemon.pass();
+        assert_eq!(
+            second.duplicates, TWIN_PAGES,
+            "one CPU: {one_cpu}: {second:?}"
+        );
+        let merged = passes_until(&mut daemon, || {
+            twins
+                .iter()
+                .all(|(c, _)| ksm_merging_pages(c.pid()) == TWIN_PAGES)
+        });
+        let stats = daemon.finish();
+        assert!(merged, "one CPU: {one_cpu}: not merged: {stats:?}");
+        for (mut child, region) in twins {
+            assert!(child.verify_unique(region, 0, TWIN_PAGES, 31));
+        }
+        assert!(
+            !reader_threads_seen(|| ()).1,
+            "the reader threads ended with their pass"
+        );
+    }
+}
+
 #[test]
 fn traced_and_seccomp_targets_are_refused_and_left_alone() {
     require_root();
