@@ -145,6 +145,20 @@ fn bench_compares_every_configuration_and_checks_integrity() {
         }
         assert_eq!(run["integrity_ok"], true, "{run}");
     }
+    // The first pass's speed, next to the machine's memcpy.
+    assert!(
+        json["memcpy_gbps"].as_f64().is_some_and(|g| g > 0.0),
+        "no memcpy speed"
+    );
+    for run in runs
+        .iter()
+        .filter(|r| !r["mode"].as_str().unwrap().starts_with("ksmd"))
+    {
+        assert!(
+            run["first_pass_gbps"].as_f64().is_some_and(|g| g > 0.0),
+            "{run}"
+        );
+    }
     // Pages hashed per pass come from the daemon's status, whatever its logs look like:
     // hash-only hashes every page of both processes every pass (2 x 1536, less the zero page
     // mappings and what is shared with the forked children).

@@ -352,6 +352,10 @@ fn a_large_pass_reads_on_reader_threads_or_on_one_cpu_in_line_and_merges_the_sam
             "one CPU: {one_cpu}: reader threads seen: {readers}"
         );
         assert_eq!(first.pages_hashed, 2 * TWIN_PAGES, "{first:?}");
+        // What the bench holds against memcpy: the first pass, pages and seconds.
+        let stats = daemon.stats();
+        assert_eq!(stats.first_pass_pages, 2 * TWIN_PAGES);
+        assert_eq!(stats.first_pass_seconds, first.seconds);
         let second = daemon.pass();
         assert_eq!(
             second.duplicates, TWIN_PAGES,

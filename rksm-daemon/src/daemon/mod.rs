@@ -206,6 +206,13 @@ pub struct DaemonStats {
     pub regions_backed_off: u64,
     /// Pages marked mergeable in the live targets.
     pub pages_marked: u64,
+    /// How long the first pass took and how many pages it read: the pass that reads every
+    /// page, whose speed is compared with the memory's.
+    #[serde(default)]
+    pub first_pass_seconds: f64,
+    /// Pages the first pass read.
+    #[serde(default)]
+    pub first_pass_pages: u64,
     /// The `run` value someone else wrote to ksmd while rksm owned it; rksm then stops
     /// pacing ksmd rather than fight them.
     pub ksmd_taken_back: Option<u64>,
@@ -525,6 +532,10 @@ impl Daemon {
             runs_marked,
             cow_breaks,
         };
+        if summary.number == 1 {
+            self.stats.first_pass_seconds = summary.seconds;
+            self.stats.first_pass_pages = summary.pages_hashed;
+        }
         self.last_pass = Some(summary.clone());
         summary
     }

@@ -17,6 +17,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use rksm_common::PAGE_SIZE;
 use serde::Serialize;
 
 use crate::{
@@ -123,6 +124,9 @@ pub struct RunResult {
     pub steady_pass_seconds: Option<f64>,
     /// rksm's CPU seconds when its first pass ended (rksm modes).
     pub first_pass_cpu: Option<f64>,
+    /// What rksm's first pass read per second, in GB (rksm modes).
+    #[serde(default)]
+    pub first_pass_gbps: Option<f64>,
     /// ksmd's CPU nanoseconds per page scanned (ksmd rows).
     pub ksmd_ns_per_page: Option<f64>,
     /// Pages rksm marked mergeable (rksm modes).
@@ -442,6 +446,17 @@ pub fn run_once(
         steady_pass_seconds: (!steady_passes.is_empty())
             .then(|| median_f64(steady_passes.iter().map(|p| p.2).collect())),
         first_pass_cpu,
+        first_pass_gbps: match (
+            rksm_stats
+                .as_ref()
+                .and_then(|s| s["first_pass_seconds"].as_f64()),
+            stat("first_pass_pages"),
+        ) {
+            (Some(secs), Some(pages)) if secs > 0.0 && pages > 0 => {
+                Some(pages as f64 * PAGE_SIZE as f64 / secs / 1e9)
+            }
+            _ => None,
+        },
         ksmd_ns_per_page: (mergeable && ksm_scanned > 0)
             .then(|| ksmd_cpu * 1e9 / ksm_scanned as f64),
         pages_marked: stat("pages_marked"),
@@ -526,6 +541,7 @@ pub fn median_of(mut runs: Vec<RunResult>) -> RunResult {
     typical.steady_rksm_cpu_per_minute = some(|r| r.steady_rksm_cpu_per_minute);
     typical.steady_pass_seconds = some(|r| r.steady_pass_seconds);
     typical.first_pass_cpu = some(|r| r.first_pass_cpu);
+    typical.first_pass_gbps = some(|r| r.first_pass_gbps);
     typical.ksmd_ns_per_page = some(|r| r.ksmd_ns_per_page);
     typical.cow_breaks = typical.cow_breaks.map(|_| u(|r| r.cow_breaks.unwrap_or(0)));
     typical.unshared_per_sharing = if typical.pages_sharing > 0 {
@@ -552,8 +568,30 @@ pub fn matrix() -> Vec<(Config, &'static str)> {
     m
 }
 
+/// This machine's memory speed, what a first pass is held to: memcpy from 1 GiB of memory
+/// (no cache holds it) into a 2 MiB buffer, as a pass copies out of a target, in GB/s, the
+/// median of three.
+pub fn memcpy_gbps() -> f64 {
+    const SOURCE: usize = 1 << 30;
+    const CHUNK: usize = 2 << 20;
+    let source = vec![0x5au8; SOURCE];
+    let mut chunk = vec![0u8; CHUNK];
+    let mut speeds: Vec<f64> = (0..3)
+        .map(|_| {
+            let started = Instant::now();
+            for from in source.chunks(CHUNK) {
+                chunk.copy_from_slice(std::hint::black_box(from));
+                std::hint::black_box(&mut chunk);
+            }
+            SOURCE as f64 / started.elapsed().as_secs_f64() / 1e9
+        })
+        .collect();
+    speeds.sort_by(f64::total_cmp);
+    speeds[1]
+}
+
 /// The report's verdicts on issue 12's targets, one line each, from the xxh64 rows.
-pub fn verdicts(runs: &[RunResult], profile: &Profile) -> Vec<String> {
+pub fn verdicts(runs: &[RunResult], profile: &Profile, memcpy_gbps: Option<f64>) -> Vec<String> {
     let find = |mode: &str| {
         runs.iter()
             .find(|r| r.mode == mode && r.checksum == "xxh64")
@@ -646,6 +684,17 @@ pub fn verdicts(runs: &[RunResult], profile: &Profile) -> Vec<String> {
         )),
         None => lines.push("NOT MET: (d) rksm ebpf never reached 90% of the savings".into()),
     }
+    // The first pass, against this machine's memcpy.
+    match (ebpf.first_pass_gbps, memcpy_gbps) {
+        (Some(e), Some(m)) => lines.push(format!(
+            "{} first pass at memory speed: ebpf {e:.1} GB/s{}, memcpy {m:.1} GB/s here: {:.2}x (target at least 0.9x)",
+            verdict(e >= 0.9 * m),
+            hash.and_then(|h| h.first_pass_gbps)
+                .map_or(String::new(), |h| format!(", hash-only {h:.1} GB/s")),
+            e / m.max(1e-9)
+        )),
+        _ => lines.push("NOT MEASURED: first pass against memcpy".into()),
+    }
     if let Some(hash) = hash {
         let ratio = ebpf.pages_hashed as f64 / hash.pages_hashed.max(1) as f64;
         lines.push(format!(
@@ -660,7 +709,12 @@ pub fn verdicts(runs: &[RunResult], profile: &Profile) -> Vec<String> {
 }
 
 /// The Markdown table of a comparison.
-pub fn markdown(runs: &[RunResult], profile: &Profile, command: &str) -> String {
+pub fn markdown(
+    runs: &[RunResult],
+    profile: &Profile,
+    command: &str,
+    memcpy_gbps: Option<f64>,
+) -> String {
     let mut md = String::new();
     md.push_str(&format!(
         "Command: `{command}`\n\nProfile: {}\n\n",
@@ -692,7 +746,7 @@ pub fn markdown(runs: &[RunResult], profile: &Profile, command: &str) -> String 
         ));
     }
     md.push('\n');
-    for line in verdicts(runs, profile) {
+    for line in verdicts(runs, profile, memcpy_gbps) {
         md.push_str(&format!("- {line}\n"));
     }
     md
@@ -808,6 +862,7 @@ mod tests {
             steady_rksm_cpu_per_minute: None,
             steady_pass_seconds: Some(hashed as f64 / 1e5),
             first_pass_cpu: Some(0.2),
+            first_pass_gbps: Some(hashed as f64 / 1000.0),
             ksmd_ns_per_page: Some(100.0),
             pages_marked: Some(1000),
             integrity_ok: true,
@@ -830,7 +885,7 @@ mod tests {
             run("ebpf", "crc32c", 4000, Some(9.0), Some(9.0)),
         ];
         let profile = Profile::named("static").unwrap();
-        let v = verdicts(&runs, &profile);
+        let v = verdicts(&runs, &profile, Some(10.0));
         assert!(
             v[0].starts_with(
                 "MET: (a) steady state: rksm ebpf + ksmd 0.10 CPU s/min, ksmd-tuned 3.00: 1/30"
@@ -852,20 +907,31 @@ mod tests {
             v[4].starts_with("NOT MET: (d) rksm ebpf reached 90% of the savings in 4.0 s"),
             "{v:?}"
         );
-        assert!(v[5].starts_with("MET: ebpf hashes 0.80%"), "{v:?}");
         assert_eq!(
-            verdicts(&runs[..2], &profile),
+            v[5],
+            "NOT MET: first pass at memory speed: ebpf 0.0 GB/s, hash-only 5.0 GB/s, memcpy 10.0 GB/s here: 0.00x (target at least 0.9x)"
+        );
+        assert!(v[6].starts_with("MET: ebpf hashes 0.80%"), "{v:?}");
+        let at_speed = verdicts(&runs, &profile, Some(0.04));
+        assert!(at_speed[5].starts_with("MET: first pass"), "{at_speed:?}");
+        assert_eq!(
+            verdicts(&runs, &profile, None)[5],
+            "NOT MEASURED: first pass against memcpy"
+        );
+        assert_eq!(
+            verdicts(&runs[..2], &profile, Some(10.0)),
             ["NOT MEASURED: no ebpf row"]
         );
         // Without hash-only, (c) and (d) are still judged.
-        let v = verdicts(&[runs[1].clone(), runs[3].clone()], &profile);
+        let v = verdicts(&[runs[1].clone(), runs[3].clone()], &profile, Some(10.0));
         assert_eq!(
             v[1], "NOT MEASURED: (a) steady state against hash-only",
             "{v:?}"
         );
         assert!(v[3].starts_with("MET: (c) CPU to 90%"), "{v:?}");
         assert!(v[4].starts_with("NOT MET: (d)"), "{v:?}");
-        assert_eq!(v.len(), 5, "{v:?}");
+        assert!(v[5].starts_with("NOT MET: first pass at memory speed: ebpf 0.0 GB/s, memcpy"));
+        assert_eq!(v.len(), 6, "{v:?}");
     }
 
     #[test]
