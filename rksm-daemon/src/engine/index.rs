@@ -669,7 +669,7 @@ impl Index {
     pub fn preload(&mut self, rep: PageRef, checksum: u64, content: &[u8]) {
         if let Ok(page) = <&[u8; PAGE]>::try_from(content) {
             if (self.hash)(page) == checksum {
-                self.cache.insert(rep, page);
+                self.preload_hashed(rep, page);
             }
         }
     }

@@ -200,7 +200,7 @@ const RECENT_BATCHES: usize = 3;
 /// targets are read side by side, so the page a copy is compared with was most often read
 /// one to three steps before, and its bytes are still here, with the checksum computed from
 /// them. Finding it here spares a /proc/PID/mem read and a checksum. The buffers go round:
-/// each step reads into the oldest one's.
+/// keeping a batch gives the oldest one's buffer back for the next read.
 #[derive(Default)]
 struct RecentBatches {
     batches: VecDeque<ReadBatch>,
@@ -908,16 +908,10 @@ impl Scanner {
         let pid = target.pid();
         let mut released = 0;
         for (addr, checksum) in held {
-            if let Some(other) = index.company(PageRef { pid, addr }, checksum) {
+            let page = PageRef { pid, addr };
+            if let Some(other) = index.company(page, checksum) {
                 released += 1;
-                self.merge_candidates
-                    .entry(pid)
-                    .or_default()
-                    .push((addr, checksum));
-                self.merge_candidates
-                    .entry(other.pid)
-                    .or_default()
-                    .push((other.addr, checksum));
+                add_pair(&mut self.merge_candidates, page, other, checksum);
             }
         }
         released
@@ -1299,14 +1293,7 @@ impl Scanner {
                 Placement::Duplicate { of } => {
                     counts.duplicate_pages += 1;
                     if self.config.collect_merge_candidates {
-                        self.merge_candidates
-                            .entry(pid)
-                            .or_default()
-                            .push((page.addr, checksum));
-                        self.merge_candidates
-                            .entry(of.pid)
-                            .or_default()
-                            .push((of.addr, checksum));
+                        add_pair(&mut self.merge_candidates, page, of, checksum);
                     }
                 }
                 Placement::Volatile => counts.volatile_pages += 1,
@@ -1353,6 +1340,22 @@ impl Scanner {
             }
         }
         Ok(())
+    }
+}
+
+/// Records `page` and `of`, found equal under `checksum`, among the pass's merge candidates:
+/// marking both lets ksmd merge them.
+fn add_pair(
+    candidates: &mut HashMap<u32, Vec<(u64, u64)>>,
+    page: PageRef,
+    of: PageRef,
+    checksum: u64,
+) {
+    for p in [page, of] {
+        candidates
+            .entry(p.pid)
+            .or_default()
+            .push((p.addr, checksum));
     }
 }
 
