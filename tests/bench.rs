@@ -150,6 +150,13 @@ fn bench_compares_every_configuration_and_checks_integrity() {
         json["memcpy_gbps"].as_f64().is_some_and(|g| g > 0.0),
         "no memcpy speed"
     );
+    // And the copy out of an address space every read of a page makes, the pass's ceiling.
+    assert!(
+        json["process_vm_readv_gbps"]
+            .as_f64()
+            .is_some_and(|g| g > 0.0),
+        "no process_vm_readv speed"
+    );
     for run in runs
         .iter()
         .filter(|r| !r["mode"].as_str().unwrap().starts_with("ksmd"))

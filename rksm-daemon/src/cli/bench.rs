@@ -107,9 +107,14 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     }
     // The memory's speed, what the first pass is held to, measured before the workloads run
     // (guests are judged on the whole run only).
-    let memcpy = (!profile.is_guests()).then(bench::memcpy_gbps);
-    if let Some(gbps) = memcpy {
-        log::info!("bench: memcpy {gbps:.1} GB/s");
+    let memory = (!profile.is_guests()).then(bench::memory_speed);
+    if let Some(m) = memory {
+        log::info!(
+            "bench: memcpy {:.1} GB/s, process_vm_readv {}",
+            m.memcpy_gbps,
+            m.process_vm_readv_gbps
+                .map_or("not measured".into(), |r| format!("{r:.1} GB/s"))
+        );
     }
     let mut results: Vec<RunResult> = Vec::new();
     for (config, checksum) in bench::matrix() {
@@ -130,8 +135,12 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         results.push(bench::median_of(runs));
     }
     let command = std::env::args().collect::<Vec<_>>().join(" ");
-    let table = bench::markdown(&results, &profile, &command, memcpy);
-    let report = serde_json::json!({ "runs": results, "memcpy_gbps": memcpy });
+    let table = bench::markdown(&results, &profile, &command, memory);
+    let report = serde_json::json!({
+        "runs": results,
+        "memcpy_gbps": memory.map(|m| m.memcpy_gbps),
+        "process_vm_readv_gbps": memory.and_then(|m| m.process_vm_readv_gbps),
+    });
     if let Some(dir) = &args.out {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         std::fs::write(dir.join("report.md"), &table)?;
