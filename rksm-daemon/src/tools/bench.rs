@@ -570,10 +570,10 @@ pub fn matrix() -> Vec<(Config, &'static str)> {
 }
 
 /// This machine's memory speeds, in GB/s, what a first pass is held to.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy)]
 pub struct MemorySpeed {
     /// memcpy from 1 GiB of memory (no cache holds it) into a 2 MiB buffer, as a pass copies
-    /// a target's pages: the target.
+    /// a target's pages: the first pass is to run at 0.9 of it.
     pub memcpy_gbps: f64,
     /// `process_vm_readv` of the same GiB into the same buffer, 512 pages a call, as a pass
     /// reads a target (here rksm's own memory, by the same kernel path): the copy a pass
@@ -665,11 +665,12 @@ pub fn verdicts(runs: &[RunResult], profile: &Profile, memory: Option<MemorySpee
     let hash = find("hash-only");
     // A target set on one profile (the (a) on `static-4g`, (d) on `static`) is judged
     // there; elsewhere its line is shown for reference.
-    let judged_on = |name: &str, met: bool| match Profile::named(name).as_ref() == Some(profile) {
+    let is_profile = |name: &str| Profile::named(name).as_ref() == Some(profile);
+    let judged_on = |name: &str, met: bool| match is_profile(name) {
         true => verdict(met).to_string(),
         false => "FOR REFERENCE:".to_string(),
     };
-    let set_on = |name: &str| match Profile::named(name).as_ref() == Some(profile) {
+    let set_on = |name: &str| match is_profile(name) {
         true => String::new(),
         false => format!(", set on `{name}`"),
     };
