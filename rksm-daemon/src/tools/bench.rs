@@ -585,43 +585,43 @@ pub struct MemorySpeed {
 pub fn memory_speed() -> MemorySpeed {
     const SOURCE: usize = 1 << 30;
     const CHUNK: usize = 2 << 20;
-    let source = vec![0x5au8; SOURCE];
+    // Page-aligned, as a target's pages are (a read across two pages pins both).
+    let backing = vec![0x5au8; SOURCE + PAGE_SIZE as usize];
+    let offset = backing.as_ptr().align_offset(PAGE_SIZE as usize);
+    let source = &backing[offset..offset + SOURCE];
     let mut chunk = vec![0u8; CHUNK];
-    let median = |mut speeds: Vec<f64>| {
-        speeds.sort_by(f64::total_cmp);
-        speeds[speeds.len() / 2]
-    };
-    let memcpy_gbps = median(
-        (0..3)
-            .map(|_| {
-                let started = Instant::now();
-                for from in source.chunks(CHUNK) {
-                    chunk.copy_from_slice(std::hint::black_box(from));
-                    std::hint::black_box(&mut chunk);
-                }
-                SOURCE as f64 / started.elapsed().as_secs_f64() / 1e9
-            })
-            .collect(),
-    );
-    let process_vm_readv_gbps = ProcMem::open(std::process::id()).ok().and_then(|mem| {
-        let pages = CHUNK / PAGE_SIZE as usize;
-        let mapped_once = vec![true; pages];
-        let mut read = vec![false; pages];
+    // GB/s of `copy` over the whole source, a chunk at a time, the median of three sweeps;
+    // None if a copy fails.
+    let mut speed = |copy: &mut dyn FnMut(&[u8], &mut [u8]) -> bool| -> Option<f64> {
         let mut speeds = Vec::new();
         for _ in 0..3 {
             let started = Instant::now();
             for from in source.chunks(CHUNK) {
-                let base = from.as_ptr() as u64;
-                let addrs: Vec<u64> = (0..pages as u64).map(|i| base + i * PAGE_SIZE).collect();
-                let done = reader::read_pages(&mem, &addrs, &mapped_once, &mut chunk, &mut read);
-                if done.ok() != Some(pages) {
+                if !copy(std::hint::black_box(from), &mut chunk) {
                     return None;
                 }
                 std::hint::black_box(&mut chunk);
             }
             speeds.push(SOURCE as f64 / started.elapsed().as_secs_f64() / 1e9);
         }
-        Some(median(speeds))
+        Some(median_f64(speeds))
+    };
+    let memcpy_gbps = speed(&mut |from, to| {
+        to.copy_from_slice(from);
+        true
+    })
+    .unwrap_or(0.0);
+    let process_vm_readv_gbps = ProcMem::open(std::process::id()).ok().and_then(|mem| {
+        let pages = CHUNK / PAGE_SIZE as usize;
+        let mapped_once = vec![true; pages];
+        let mut read = vec![false; pages];
+        let mut addrs = Vec::with_capacity(pages);
+        speed(&mut |from, to| {
+            let base = from.as_ptr() as u64;
+            addrs.clear();
+            addrs.extend((0..pages as u64).map(|i| base + i * PAGE_SIZE));
+            reader::read_pages(&mem, &addrs, &mapped_once, to, &mut read).ok() == Some(pages)
+        })
     });
     MemorySpeed {
         memcpy_gbps,
