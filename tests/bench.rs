@@ -144,6 +144,14 @@ fn bench_compares_every_configuration_and_checks_integrity() {
             assert!(run.get(key).is_some(), "{key} missing in {run}");
         }
         assert_eq!(run["integrity_ok"], true, "{run}");
+        // ksmd's part of the CPU to 90% is reported with it: all of it in the ksmd rows.
+        if let Some(cpu) = run["cpu_to_90pct"].as_f64() {
+            let ksmd = run["ksmd_cpu_to_90pct"].as_f64().expect("ksmd's part");
+            assert!((0.0..=cpu).contains(&ksmd), "{run}");
+            if run["mode"].as_str().unwrap().starts_with("ksmd") {
+                assert_eq!(ksmd, cpu, "{run}");
+            }
+        }
     }
     // The first pass's speed, next to the machine's memcpy.
     assert!(
