@@ -39,12 +39,22 @@ struct Chunk {
     placed: u64,
 }
 
+impl Chunk {
+    /// Pages hashed once, not yet placed: the next pass places them if they stayed clean.
+    fn pending(&self) -> u64 {
+        self.known & !self.placed
+    }
+}
+
 /// The pages of one target, as of its last pass.
 #[derive(Debug, Default)]
 pub struct PageState {
     chunks: BTreeMap<u64, Box<Chunk>>,
-    /// Pages hashed once, not yet placed: the next pass places them if they stayed clean.
-    pending: BTreeSet<u64>,
+    /// Chunks with a pending page. A set of chunks, not of pages: a hash-only pass leaves
+    /// every page pending, and a million B-tree inserts a pass cost more than the pass's
+    /// own bookkeeping; a steady ebpf pass finds the few pending pages without walking every
+    /// chunk.
+    pending_chunks: BTreeSet<u64>,
     /// Ranges read in full at some pass (clipped to the VMAs of the last pass).
     pub(crate) scanned: RangeSet,
     len: u64,
@@ -92,14 +102,22 @@ impl PageState {
         if chunk.known & bit == 0 {
             self.len += 1;
         }
+        let had_pending = chunk.pending() != 0;
         chunk.known |= bit;
         chunk.checksums[slot] = info.checksum;
         if info.placed {
             chunk.placed |= bit;
-            self.pending.remove(&addr);
         } else {
             chunk.placed &= !bit;
-            self.pending.insert(addr);
+        }
+        match (had_pending, chunk.pending() != 0) {
+            (false, true) => {
+                self.pending_chunks.insert(key);
+            }
+            (true, false) => {
+                self.pending_chunks.remove(&key);
+            }
+            _ => {}
         }
     }
 
@@ -117,10 +135,12 @@ impl PageState {
         };
         chunk.known &= !bit;
         chunk.placed &= !bit;
+        if chunk.pending() == 0 {
+            self.pending_chunks.remove(&key);
+        }
         if chunk.known == 0 {
             self.chunks.remove(&key);
         }
-        self.pending.remove(&addr);
         self.len -= 1;
         Some(info)
     }
@@ -156,7 +176,23 @@ impl PageState {
 
     /// Pages hashed once and waiting for the gate, in `start..end`.
     pub fn pending_in(&self, start: u64, end: u64) -> impl Iterator<Item = u64> + '_ {
-        self.pending.range(start..end).copied()
+        let keys = match start < end {
+            true => self
+                .pending_chunks
+                .range(start / CHUNK_SPAN..=(end - 1) / CHUNK_SPAN),
+            false => self.pending_chunks.range(0..0),
+        };
+        keys.flat_map(move |&key| {
+            let mut pending = self.chunks.get(&key).map_or(0, |c| c.pending());
+            std::iter::from_fn(move || {
+                (pending != 0).then(|| {
+                    let slot = pending.trailing_zeros() as u64;
+                    pending &= pending - 1;
+                    key * CHUNK_SPAN + slot * PAGE_SIZE
+                })
+            })
+        })
+        .filter(move |addr| (start..end).contains(addr))
     }
 
     /// Forgets every page outside `vmas` and returns them (the caller takes placed ones out
@@ -193,11 +229,11 @@ impl PageState {
         all
     }
 
-    /// Bytes of heap this state holds (chunks, pending set, scanned ranges), approximately.
+    /// Bytes of heap this state holds (chunks, pending chunks, scanned ranges), approximately.
     pub fn heap_bytes(&self) -> u64 {
         // A B-tree entry costs about twice its key and value.
         let chunks = self.chunks.len() as u64 * (size_of::<Chunk>() as u64 + 32);
-        chunks + self.pending.len() as u64 * 16 + self.scanned.as_slice().len() as u64 * 16
+        chunks + self.pending_chunks.len() as u64 * 16 + self.scanned.as_slice().len() as u64 * 16
     }
 }
 
@@ -254,6 +290,56 @@ mod tests {
         assert!(state.remove(5 * P).is_some_and(|p| p.placed));
         assert_eq!(state.len(), 1);
         assert_eq!(state.chunks.len(), 1, "an empty chunk is freed");
+    }
+
+    #[test]
+    fn pending_pages_are_the_known_unplaced_ones_in_any_range() {
+        // Random sets, placements and removals over five chunks, against a plain model.
+        let mut state = PageState::default();
+        let mut model = std::collections::BTreeMap::<u64, bool>::new();
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        for _ in 0..5_000 {
+            let addr = (next(5 * CHUNK_PAGES) + 3) * P;
+            match next(3) {
+                0 => {
+                    state.remove(addr);
+                    model.remove(&addr);
+                }
+                op => {
+                    let placed = op == 1;
+                    state.set(
+                        addr,
+                        PageInfo {
+                            checksum: addr,
+                            placed,
+                        },
+                    );
+                    model.insert(addr, placed);
+                }
+            }
+            let (start, end) = (next(6 * CHUNK_PAGES) * P, next(6 * CHUNK_PAGES) * P);
+            let expected: Vec<u64> = model
+                .iter()
+                .filter(|&(&a, &placed)| !placed && (start..end).contains(&a))
+                .map(|(&a, _)| a)
+                .collect();
+            assert_eq!(state.pending_in(start, end).collect::<Vec<_>>(), expected);
+        }
+        assert_eq!(state.len(), model.len() as u64);
+        // No chunk is listed as pending without a pending page, nor left out with one.
+        for (key, chunk) in &state.chunks {
+            assert_eq!(state.pending_chunks.contains(key), chunk.pending() != 0);
+        }
+        assert!(state
+            .pending_chunks
+            .iter()
+            .all(|k| state.chunks.contains_key(k)));
     }
 
     #[test]
