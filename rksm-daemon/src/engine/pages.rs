@@ -60,6 +60,20 @@ pub struct PageState {
     len: u64,
 }
 
+/// Keeps chunk `key` listed among the chunks with a pending page when it has come to hold
+/// one, and off the list when its last one has gone.
+fn list_pending(pending_chunks: &mut BTreeSet<u64>, key: u64, had: bool, has: bool) {
+    match (had, has) {
+        (false, true) => {
+            pending_chunks.insert(key);
+        }
+        (true, false) => {
+            pending_chunks.remove(&key);
+        }
+        _ => {}
+    }
+}
+
 fn split(addr: u64) -> (u64, usize) {
     (
         addr / CHUNK_SPAN,
@@ -110,15 +124,12 @@ impl PageState {
         } else {
             chunk.placed &= !bit;
         }
-        match (had_pending, chunk.pending() != 0) {
-            (false, true) => {
-                self.pending_chunks.insert(key);
-            }
-            (true, false) => {
-                self.pending_chunks.remove(&key);
-            }
-            _ => {}
-        }
+        list_pending(
+            &mut self.pending_chunks,
+            key,
+            had_pending,
+            chunk.pending() != 0,
+        );
     }
 
     /// Forgets the page at `addr`; returns what was known.
@@ -133,11 +144,15 @@ impl PageState {
             checksum: chunk.checksums[slot],
             placed: chunk.placed & bit != 0,
         };
+        let had_pending = chunk.pending() != 0;
         chunk.known &= !bit;
         chunk.placed &= !bit;
-        if chunk.pending() == 0 {
-            self.pending_chunks.remove(&key);
-        }
+        list_pending(
+            &mut self.pending_chunks,
+            key,
+            had_pending,
+            chunk.pending() != 0,
+        );
         if chunk.known == 0 {
             self.chunks.remove(&key);
         }

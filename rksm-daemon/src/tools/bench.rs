@@ -672,13 +672,19 @@ pub fn verdicts(runs: &[RunResult], profile: &Profile, memory: Option<MemorySpee
     // A target set on one profile (the (a) on `static-4g`, (d) on `static`) is judged
     // there; elsewhere its line is shown for reference.
     let is_profile = |name: &str| Profile::named(name).as_ref() == Some(profile);
-    let judged_on = |name: &str, met: bool| match is_profile(name) {
-        true => verdict(met).to_string(),
-        false => "FOR REFERENCE:".to_string(),
+    let judged_on = |name: &str, met: bool| {
+        if is_profile(name) {
+            verdict(met).to_string()
+        } else {
+            "FOR REFERENCE:".to_string()
+        }
     };
-    let set_on = |name: &str| match is_profile(name) {
-        true => String::new(),
-        false => format!(", set on `{name}`"),
+    let set_on = |name: &str| {
+        if is_profile(name) {
+            String::new()
+        } else {
+            format!(", set on `{name}`")
+        }
     };
     // (a) Steady state, rksm + ksmd CPU per minute.
     for other in ["ksmd-tuned", "hash-only"] {
