@@ -11,7 +11,7 @@ use std::{
 
 use rksm::{
     daemon::{Daemon, DaemonConfig, DaemonStats, DirtyMode, DomainPolicy, OutsiderPolicy},
-    engine::{checksum::ChecksumKind, targets::TargetSpec},
+    engine::{checksum::ChecksumKind, dirty::protection::WriteProtect, targets::TargetSpec},
 };
 use rksm_tests::{
     any_vma_mergeable, blocked_syscall, fd_count, ksm_merging_pages, ksm_pages, ksm_turn,
@@ -675,8 +675,12 @@ fn copy_on_write_breaks_are_counted_and_their_region_backs_off() {
     assert!(child.verify(r, 0, 512, 31));
 }
 
+/// A target that registered memory with a userfaultfd of its own keeps it to itself: where
+/// the kernel keeps soft-dirty bits, rksm protects it that way, all of it; where only
+/// userfaultfd protection exists, the VMA refuses rksm's registration and is rehashed every
+/// pass.
 #[test]
-fn memory_the_target_registered_with_its_own_userfaultfd_is_hashed_every_pass() {
+fn memory_the_target_registered_with_its_own_userfaultfd_is_left_to_it() {
     require_root();
     let _turn = ksm_turn();
     let mut child = TestChild::spawn();
@@ -693,11 +697,24 @@ fn memory_the_target_registered_with_its_own_userfaultfd_is_hashed_every_pass() 
     let before = daemon.stats().clone();
     daemon.pass();
     let after = daemon.stats().clone();
-    // The region rksm could arm is skipped as clean; the one it could not is rehashed.
-    assert_eq!(after.pages_hashed - before.pages_hashed, 64, "{after:?}");
+    let target = daemon.targets().next().expect("the target");
+    let (source, why) = target.write_protect();
+    let rehashed = if rksm::kernel::softdirty::supported() {
+        assert_eq!(source, WriteProtect::SoftDirty, "{why}");
+        0
+    } else {
+        // The region rksm could arm is skipped as clean; the one it could not is rehashed.
+        assert_eq!(source, WriteProtect::Userfaultfd, "{why}");
+        64
+    };
+    assert_eq!(
+        after.pages_hashed - before.pages_hashed,
+        rehashed,
+        "{after:?}"
+    );
     assert_eq!(
         after.pages_skipped_clean - before.pages_skipped_clean,
-        64,
+        128 - rehashed,
         "{after:?}"
     );
     assert!(passes_until(&mut daemon, || ksm_pages(pid, own, 64).len()

@@ -15,7 +15,11 @@ use nix::{
 };
 use rksm::{
     daemon::{Daemon, DaemonConfig, DirtyMode},
-    engine::{checksum::ChecksumKind, targets::TargetSpec},
+    engine::{
+        checksum::ChecksumKind,
+        dirty::protection::{Offer, WriteProtect, WriteProtectChoice},
+        targets::TargetSpec,
+    },
 };
 use rksm_tests::{
     ksm_pages, ksm_turn, require_root, seed_content, Region, SeedFile, TestChild, PAGE,
@@ -25,15 +29,56 @@ const N: u64 = 128;
 const SEED: u64 = 4242;
 /// A short audit cycle, so that the tests see one complete.
 const AUDIT_PASSES: u32 = 4;
-const MODES: [DirtyMode; 3] = [DirtyMode::HashOnly, DirtyMode::Pagemap, DirtyMode::Ebpf];
+/// A dirty mode, and the write protection it is given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Config {
+    mode: DirtyMode,
+    protection: WriteProtectChoice,
+}
 
-fn daemon_over(pid: u32, regions: &[Region], mode: DirtyMode) -> Daemon {
+impl std::fmt::Display for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.mode {
+            DirtyMode::HashOnly => write!(f, "hash-only"),
+            mode => write!(f, "{mode} with {}", self.protection),
+        }
+    }
+}
+
+/// Hash-only, if asked, then pagemap and ebpf with each write protection this kernel offers
+/// (userfaultfd on the host's 6.18, soft-dirty on Debian 12's 6.1, both on its 6.12).
+fn configurations(hash_only: bool) -> Vec<Config> {
+    let offer = Offer::probe(WriteProtectChoice::Auto);
+    let mut sources = Vec::new();
+    if offer.soft_dirty {
+        sources.push(WriteProtectChoice::SoftDirty);
+    }
+    if offer.userfaultfd {
+        sources.push(WriteProtectChoice::Userfaultfd);
+    }
+    let mut all = Vec::new();
+    if hash_only {
+        all.push(Config {
+            mode: DirtyMode::HashOnly,
+            protection: WriteProtectChoice::Auto,
+        });
+    }
+    for mode in [DirtyMode::Pagemap, DirtyMode::Ebpf] {
+        for &protection in &sources {
+            all.push(Config { mode, protection });
+        }
+    }
+    all
+}
+
+fn daemon_over(pid: u32, regions: &[Region], config: Config) -> Daemon {
     let daemon = Daemon::start(DaemonConfig {
         targets: TargetSpec {
             pids: vec![pid],
             ..TargetSpec::default()
         },
-        dirty: mode,
+        dirty: config.mode,
+        write_protect: config.protection,
         checksum: ChecksumKind::Xxh64,
         only_ranges: regions
             .iter()
@@ -43,8 +88,21 @@ fn daemon_over(pid: u32, regions: &[Region], mode: DirtyMode) -> Daemon {
         ..DaemonConfig::default()
     })
     .expect("daemon starts");
-    assert_eq!(daemon.dirty_mode(), mode.to_string());
+    assert_eq!(daemon.dirty_mode(), config.mode.to_string());
     daemon
+}
+
+/// The daemon's target is write-protected as `config` asks.
+fn protected_as_asked(daemon: &Daemon, config: Config) {
+    let target = daemon.targets().next().expect("the target");
+    let (source, why) = target.write_protect();
+    let expected = match config.protection {
+        _ if config.mode == DirtyMode::HashOnly => WriteProtect::None,
+        WriteProtectChoice::SoftDirty => WriteProtect::SoftDirty,
+        WriteProtectChoice::Userfaultfd => WriteProtect::Userfaultfd,
+        WriteProtectChoice::Auto => return,
+    };
+    assert_eq!(source, expected, "{config}: {why}");
 }
 
 fn pass_and_wait(daemon: &mut Daemon) {
@@ -64,7 +122,7 @@ struct Outcome {
 
 /// Settles `mode` on a child with N distinct pages, lets `make` turn pages into N copies of
 /// SEED's content (it returns where they are), and runs passes until ksmd merged them all.
-fn run(mode: DirtyMode, make: &dyn Fn(&mut TestChild, Region, Region) -> Region) -> Outcome {
+fn run(mode: Config, make: &dyn Fn(&mut TestChild, Region, Region) -> Region) -> Outcome {
     let mut child = TestChild::spawn();
     let region = child.map(N);
     let spare = child.map(N);
@@ -74,6 +132,7 @@ fn run(mode: DirtyMode, make: &dyn Fn(&mut TestChild, Region, Region) -> Region)
     for _ in 0..3 {
         pass_and_wait(&mut daemon);
     }
+    protected_as_asked(&daemon, mode);
     let copies = make(&mut child, region, spare);
     assert!(
         child.verify(copies, 0, N, SEED),
@@ -108,67 +167,78 @@ fn run(mode: DirtyMode, make: &dyn Fn(&mut TestChild, Region, Region) -> Region)
     outcome
 }
 
-/// Every mode merges every copy; returns the ebpf mode's outcome.
+/// Every mode, with every write protection the kernel offers, merges every copy; returns
+/// the ebpf mode's outcomes.
 fn every_mode_merges(
     how: &str,
     make: &dyn Fn(&mut TestChild, Region, Region) -> Region,
-) -> Outcome {
+) -> Vec<(Config, Outcome)> {
     require_root();
     let _turn = ksm_turn();
-    let mut ebpf = None;
-    for mode in MODES {
-        let outcome = run(mode, make);
+    let mut ebpf = Vec::new();
+    for config in configurations(true) {
+        let outcome = run(config, make);
         assert_eq!(
             outcome.merged, N as usize,
-            "{mode}: {how}: {} of {N} copies merged (hash-only merges them all)",
+            "{config}: {how}: {} of {N} copies merged (hash-only merges them all)",
             outcome.merged
         );
-        if mode == DirtyMode::Ebpf {
-            ebpf = Some(outcome);
+        if config.mode == DirtyMode::Ebpf {
+            ebpf.push((config, outcome));
         }
     }
-    ebpf.expect("ebpf ran")
+    assert!(!ebpf.is_empty(), "ebpf ran");
+    ebpf
 }
 
 #[test]
 fn copies_written_by_the_process_are_merged_in_every_mode() {
-    let ebpf = every_mode_merges("user writes", &|child, region, _| {
+    for (config, ebpf) in every_mode_merges("user writes", &|child, region, _| {
         child.write(region, 0, N, SEED);
         region
-    });
-    assert_eq!(ebpf.misses, 0, "the tracer sees user writes");
-    assert_eq!(ebpf.exact, None);
+    }) {
+        assert_eq!(ebpf.misses, 0, "{config}: the tracer sees user writes");
+        assert_eq!(ebpf.exact, None, "{config}");
+    }
 }
 
 #[test]
 fn copies_read_into_armed_memory_are_merged_in_every_mode() {
     let file = SeedFile::new("read", SEED, N);
-    let ebpf = every_mode_merges("read(2)", &|child, region, _| {
+    for (config, ebpf) in every_mode_merges("read(2)", &|child, region, _| {
         child.read_into(region, 0, N, &file.0, "read");
         region
-    });
-    assert_eq!(
-        ebpf.misses, 0,
-        "read(2) faults in kernel mode: the tracer sees it"
-    );
+    }) {
+        assert_eq!(
+            ebpf.misses, 0,
+            "{config}: read(2) faults in kernel mode: the tracer sees it"
+        );
+    }
 }
 
 #[test]
 fn copies_received_from_a_socket_are_merged_in_every_mode() {
     let file = SeedFile::new("recv", SEED, N);
-    let ebpf = every_mode_merges("recv(2)", &|child, region, _| {
+    for (config, ebpf) in every_mode_merges("recv(2)", &|child, region, _| {
         child.read_into(region, 0, N, &file.0, "recv");
         region
-    });
-    assert_eq!(
-        ebpf.misses, 0,
-        "recv(2) faults in kernel mode: the tracer sees it"
-    );
+    }) {
+        assert_eq!(
+            ebpf.misses, 0,
+            "{config}: recv(2) faults in kernel mode: the tracer sees it"
+        );
+    }
 }
 
 /// Writes that raise no fault at all are found by the audit within one cycle, counted, and
 /// the target is tracked exactly from then on.
-fn found_by_the_audit(ebpf: &Outcome, how: &str) {
+fn found_by_the_audit(outcomes: &[(Config, Outcome)], how: &str) {
+    for (config, ebpf) in outcomes {
+        found_by_the_audit_with(ebpf, &format!("{config}: {how}"));
+    }
+}
+
+fn found_by_the_audit_with(ebpf: &Outcome, how: &str) {
     assert!(ebpf.misses > 0, "{how}: no miss counted");
     let why = ebpf.exact.as_deref().unwrap_or_default();
     assert!(
@@ -184,7 +254,7 @@ fn found_by_the_audit(ebpf: &Outcome, how: &str) {
 
 #[test]
 fn copies_written_by_another_process_are_found_by_the_audit() {
-    let ebpf = every_mode_merges("process_vm_writev", &|child, region, _| {
+    let outcomes = every_mode_merges("process_vm_writev", &|child, region, _| {
         let content: Vec<u8> = (0..N).flat_map(|_| seed_content(SEED)).collect();
         let remote = [RemoteIoVec {
             base: region.base as usize,
@@ -199,17 +269,17 @@ fn copies_written_by_another_process_are_found_by_the_audit() {
         assert_eq!(written, content.len());
         region
     });
-    found_by_the_audit(&ebpf, "process_vm_writev");
+    found_by_the_audit(&outcomes, "process_vm_writev");
 }
 
 #[test]
 fn copies_read_with_o_direct_are_found_by_the_audit() {
     let file = SeedFile::new("direct", SEED, N);
-    let ebpf = every_mode_merges("O_DIRECT read", &|child, region, _| {
+    let outcomes = every_mode_merges("O_DIRECT read", &|child, region, _| {
         child.read_into(region, 0, N, &file.0, "direct");
         region
     });
-    found_by_the_audit(&ebpf, "O_DIRECT");
+    found_by_the_audit(&outcomes, "O_DIRECT");
 }
 
 #[test]
@@ -248,7 +318,7 @@ fn passes_until(daemon: &mut Daemon, mut done: impl FnMut() -> bool) -> bool {
 fn a_steady_pass_looks_at_no_clean_page_and_the_merges_are_no_misses() {
     require_root();
     let _turn = ksm_turn();
-    for mode in [DirtyMode::Pagemap, DirtyMode::Ebpf] {
+    for mode in configurations(false) {
         let mut child = TestChild::spawn();
         let region = child.map(N);
         let other = child.map(N);

@@ -13,7 +13,10 @@ use rksm::{
         recorder::Recorder,
         tracer::{Tracer, TracerConfig, WriteLog},
     },
-    engine::dirty::{DirtySet, DirtySource, DirtyState, EbpfSource, DEFAULT_AUDIT_PASSES},
+    engine::dirty::{
+        protection::{Offer, WriteProtectChoice},
+        DirtySet, DirtySource, DirtyState, EbpfSource, DEFAULT_AUDIT_PASSES,
+    },
     kernel::{process::Process, procfs},
     tools::trace::TraceSession,
 };
@@ -310,7 +313,8 @@ fn a_full_tracked_map_refuses_more_and_the_ebpf_source_hashes_those_in_full() {
     drop(recorder_mut);
     assert!(tracked_state.tracer.tracked() && !extra_state.tracer.tracked());
 
-    let mut source = EbpfSource::new(recorder.clone(), DEFAULT_AUDIT_PASSES);
+    let offer = Offer::probe(WriteProtectChoice::Auto);
+    let mut source = EbpfSource::new(recorder.clone(), DEFAULT_AUDIT_PASSES, offer);
     let process = Process::open(extra.pid()).unwrap();
     let vmas: Vec<_> = procfs::read_maps(extra.pid())
         .unwrap()

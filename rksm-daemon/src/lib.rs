@@ -85,12 +85,27 @@ mod tests {
         used
     }
 
+    /// The source files under `dir`, in its folders too.
+    fn sources(dir: &Path) -> Vec<std::path::PathBuf> {
+        let mut files = Vec::new();
+        for entry in fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                files.extend(sources(&path));
+            } else {
+                files.push(path);
+            }
+        }
+        files
+    }
+
     #[test]
     fn each_layer_uses_only_the_layers_below_it() {
         let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
         for (layer, below) in LAYERS {
-            for entry in fs::read_dir(src.join(layer)).unwrap() {
-                let path = entry.unwrap().path();
+            let files = sources(&src.join(layer));
+            assert!(files.len() > 2, "{layer}: {files:?}");
+            for path in files {
                 let source = fs::read_to_string(&path).unwrap();
                 for used in layers_used(&source) {
                     assert!(

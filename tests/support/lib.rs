@@ -148,6 +148,26 @@ impl TestChild {
         self.parse_mapped(&format!("mapsparse {pages}"))
     }
 
+    /// Maps `pages` fresh pages at a 2 MiB boundary, asking for transparent huge pages.
+    pub fn map_huge(&mut self, pages: u64) -> Region {
+        self.parse_mapped(&format!("maphuge {pages}"))
+    }
+
+    /// Clears the child's own soft-dirty bits through /proc/self/clear_refs, which it keeps
+    /// open from then on (as Boehm GC's incremental mode does).
+    pub fn clear_own_soft_dirty(&mut self) {
+        assert_eq!(self.command("clearrefs"), "ok");
+    }
+
+    /// How many of pages `first..first+count` the child's own pagemap shows soft-dirty.
+    pub fn soft_dirty_pages(&mut self, region: Region, first: u64, count: u64) -> u64 {
+        let reply = self.command(&format!("softdirty {} {first} {count}", region.id));
+        reply
+            .strip_prefix("softdirty ")
+            .and_then(|n| n.parse().ok())
+            .expect("softdirty N")
+    }
+
     /// Maps `pages` fresh pages at `base` (which must be free).
     pub fn map_at(&mut self, pages: u64, base: u64) -> Region {
         let region = self.parse_mapped(&format!("map {pages} {base:#x}"));
@@ -500,8 +520,8 @@ pub fn blocked_syscall(pid: u32) -> String {
         .to_string()
 }
 
-/// The frame (pagemap PFN) of each of `region`'s first `pages` pages, None where absent.
-pub fn page_frames(pid: u32, region: Region, pages: u64) -> Vec<Option<u64>> {
+/// The pagemap entries of `region`'s first `pages` pages.
+pub fn page_entries(pid: u32, region: Region, pages: u64) -> Vec<u64> {
     use std::os::unix::fs::FileExt;
     let pagemap = std::fs::File::open(format!("/proc/{pid}/pagemap")).expect("pagemap");
     let mut raw = vec![0u8; pages as usize * 8];
@@ -509,23 +529,32 @@ pub fn page_frames(pid: u32, region: Region, pages: u64) -> Vec<Option<u64>> {
         .read_exact_at(&mut raw, region.base / PAGE * 8)
         .expect("pagemap read");
     raw.chunks_exact(8)
-        .map(|entry| {
-            let entry = u64::from_ne_bytes(entry.try_into().unwrap());
-            (entry >> 63 == 1).then_some(entry & ((1 << 55) - 1))
-        })
+        .map(|entry| u64::from_ne_bytes(entry.try_into().unwrap()))
         .collect()
 }
 
-/// The indices of `region`'s first `pages` pages that the kernel shows mapped to KSM pages
-/// (pagemap gives the frame, /proc/kpageflags bit 21 says KSM).
+/// The frame (pagemap PFN) of each of `region`'s first `pages` pages, None where absent.
+pub fn page_frames(pid: u32, region: Region, pages: u64) -> Vec<Option<u64>> {
+    page_entries(pid, region, pages)
+        .into_iter()
+        .map(|entry| (entry >> 63 == 1).then_some(entry & ((1 << 55) - 1)))
+        .collect()
+}
+
+/// The indices of `region`'s first `pages` pages that the kernel shows mapped to KSM pages:
+/// pagemap gives the frame and says it is mapped more than once (a merged page is shared),
+/// /proc/kpageflags bit 21 says KSM. (Some kernels set bit 21 on every anonymous page, as
+/// Debian's 6.12.117 does; the frame's sharing keeps the evidence right there.)
 pub fn ksm_pages(pid: u32, region: Region, pages: u64) -> Vec<u64> {
     use std::os::unix::fs::FileExt;
     let kpageflags = std::fs::File::open("/proc/kpageflags").expect("kpageflags");
     (0..pages)
-        .zip(page_frames(pid, region, pages))
-        .filter_map(|(i, pfn)| {
+        .zip(page_entries(pid, region, pages))
+        .filter_map(|(i, entry)| {
+            let exclusive = entry >> 56 & 1 == 1;
+            let pfn = (entry >> 63 == 1 && !exclusive).then_some(entry & ((1 << 55) - 1))?;
             let mut flags = [0u8; 8];
-            (kpageflags.read_exact_at(&mut flags, pfn? * 8).is_ok()
+            (kpageflags.read_exact_at(&mut flags, pfn * 8).is_ok()
                 && u64::from_ne_bytes(flags) >> 21 & 1 == 1)
                 .then_some(i)
         })

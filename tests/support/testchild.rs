@@ -6,6 +6,12 @@
 //! - `map PAGES` → `mapped ID ADDR`: a private anonymous region, huge pages off (a huge
 //!   page would make one fault cover 512 pages).
 //! - `mapsparse PAGES` → `mapped ID ADDR`: the same with MAP_NORESERVE (a terabyte arena).
+//! - `maphuge PAGES` → `mapped ID ADDR`: 2 MiB-aligned, huge pages asked for
+//!   (`MADV_HUGEPAGE`), so that a write fault may map a transparent huge page.
+//! - `clearrefs` → `ok`: clears its own soft-dirty bits through /proc/self/clear_refs, which
+//!   it keeps open from then on, as Boehm GC's incremental mode does.
+//! - `softdirty ID FIRST COUNT` → `softdirty N`: how many of the pages its own pagemap shows
+//!   soft-dirty (bit 55).
 //! - `write ID FIRST COUNT SEED` → `ok`: fills pages `FIRST..FIRST+COUNT` with the content of
 //!   `SEED` (the same content for every page, so equal seeds make duplicate pages).
 //! - `unique ID FIRST COUNT SEED` → `ok`: page `FIRST+i` gets the content of `SEED+i`.
@@ -106,6 +112,35 @@ impl Region {
         })
     }
 
+    /// Maps `pages` fresh pages at a 2 MiB boundary and asks for transparent huge pages.
+    fn map_huge(pages: usize) -> Result<Region, String> {
+        const HUGE: usize = 2 << 20;
+        let len = pages * PAGE;
+        // SAFETY: a fresh anonymous mapping, large enough to hold an aligned one.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len + HUGE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(format!("mmap: {}", io::Error::last_os_error()));
+        }
+        let aligned = (ptr as usize).next_multiple_of(HUGE);
+        // SAFETY: aligned..aligned+len lies inside the mapping just made (HUGE spare bytes).
+        if unsafe { libc::madvise(aligned as *mut libc::c_void, len, libc::MADV_HUGEPAGE) } != 0 {
+            return Err(format!("madvise: {}", io::Error::last_os_error()));
+        }
+        Ok(Region {
+            base: aligned as *mut u64,
+            pages,
+        })
+    }
+
     fn page(&self, index: usize) -> Result<*mut u64, String> {
         if index >= self.pages {
             return Err(format!(
@@ -146,6 +181,47 @@ fn run(line: &str, regions: &mut Vec<Region>) -> Result<String, String> {
             let reply = format!("mapped {} {:#x}", regions.len(), r.base as usize);
             regions.push(r);
             Ok(reply)
+        }
+        Some("maphuge") => {
+            let r = Region::map_huge(num(1)? as usize)?;
+            let reply = format!("mapped {} {:#x}", regions.len(), r.base as usize);
+            regions.push(r);
+            Ok(reply)
+        }
+        Some("clearrefs") => {
+            static CLEAR_REFS: std::sync::Mutex<Option<std::fs::File>> =
+                std::sync::Mutex::new(None);
+            let mut file = CLEAR_REFS.lock().map_err(|e| e.to_string())?;
+            if file.is_none() {
+                *file = Some(
+                    std::fs::OpenOptions::new()
+                        .write(true)
+                        .open("/proc/self/clear_refs")
+                        .map_err(|e| format!("clear_refs: {e}"))?,
+                );
+            }
+            file.as_mut()
+                .expect("opened")
+                .write_all(b"4")
+                .map_err(|e| format!("clear_refs: {e}"))?;
+            Ok("ok".into())
+        }
+        Some("softdirty") => {
+            use std::os::unix::fs::FileExt;
+            let r = region(num(1)?)?;
+            let (first, count) = (num(2)? as usize, num(3)? as usize);
+            r.page(first + count.max(1) - 1)?;
+            let pagemap = std::fs::File::open("/proc/self/pagemap").map_err(|e| e.to_string())?;
+            let mut raw = vec![0u8; count * 8];
+            let start = r.page(first)? as u64 / PAGE as u64 * 8;
+            pagemap
+                .read_exact_at(&mut raw, start)
+                .map_err(|e| e.to_string())?;
+            let dirty = raw
+                .chunks_exact(8)
+                .filter(|e| u64::from_ne_bytes((*e).try_into().expect("8 bytes")) >> 55 & 1 == 1)
+                .count();
+            Ok(format!("softdirty {dirty}"))
         }
         Some("mapsparse") => {
             let r = Region::map(num(1)? as usize, None, true)?;

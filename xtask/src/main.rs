@@ -18,6 +18,9 @@ use std::{
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 
+mod kernel_bench;
+mod vm;
+
 /// Debian packages of the verified route: rustc 1.96 with LLVM 22, `core` for the bpf
 /// target, and LLVM 22 itself for building bpf-linker.
 /// What the qemu test guests need: the emulator and a kernel to boot.
@@ -64,12 +67,29 @@ enum Cmd {
         /// Only the checksum benchmark (seconds instead of minutes).
         #[arg(long)]
         checksums_only: bool,
+        /// Instead: the kernels table, a steady pass's cost in each dirty mode on `host`, a
+        /// guest kernel (`debian12`, `debian12-6.12`, once per write-protect source) or
+        /// `all`; reports go to docs/bench-kernels/.
+        #[arg(long, value_name = "KERNEL")]
+        kernel: Option<String>,
+        /// With --kernel: runs per mode (medians are reported).
+        #[arg(long, default_value = "3", requires = "kernel")]
+        repeat: u32,
+        /// With --kernel: seconds per run.
+        #[arg(long, default_value = "40", requires = "kernel")]
+        seconds: u32,
     },
-    /// Build, check formatting and lints, and run every test (as root).
+    /// Build, check formatting and lints, and run every test (as root): the full suite on
+    /// the host's kernel, then the kernel-facing suites in qemu guests booting Debian 12's
+    /// kernels (6.1: soft-dirty only; 6.12: soft-dirty and userfaultfd).
     Test {
-        /// Leave out the suites that take minutes (bench, torture, programs); CI runs them all.
+        /// Leave out the suites that take minutes (bench, torture, programs, and the guests);
+        /// CI runs them all.
         #[arg(long)]
         quick: bool,
+        /// Which kernels: `host`, a guest kernel (`debian12`, `debian12-6.12`), or `all`.
+        #[arg(long, default_value = "all", value_name = "KERNEL")]
+        kernel: String,
         /// Extra arguments for `cargo test` (a filter, `--nocapture`, ...).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<OsString>,
@@ -95,10 +115,22 @@ fn main() -> ExitCode {
         Cmd::Setup => setup().map(|_| ()),
         Cmd::Build => build(),
         Cmd::Run { args } => run(args),
-        Cmd::Test { quick, args } => test(quick, args),
+        Cmd::Test {
+            quick,
+            kernel,
+            args,
+        } => test(quick, &kernel, args),
         Cmd::Install { prefix } => install(&prefix),
         Cmd::GuestImage => guest_image().map(|path| println!("{}", path.display())),
-        Cmd::Bench { checksums_only } => bench(checksums_only),
+        Cmd::Bench {
+            kernel: Some(kernel),
+            repeat,
+            seconds,
+            ..
+        } => {
+            build().and_then(|()| kernel_bench::bench(&workspace_root(), &kernel, repeat, seconds))
+        }
+        Cmd::Bench { checksums_only, .. } => bench(checksums_only),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -276,9 +308,20 @@ fn setup() -> Result<Route> {
             );
         }
     }
-    // The tests and `rksm bench --profile guests` boot qemu guests (TCG) with a Debian kernel.
+    // The tests and `rksm bench --profile guests` boot qemu guests (TCG) with a Debian kernel;
+    // the kernel matrix also boots Debian 12's 6.12, unpacked under target/kernels.
     apt_install(&missing_debian_packages(GUEST_PACKAGES))?;
-    eprintln!("xtask: set-up complete ({route:?} route for the eBPF program, bpf-linker present, qemu and a guest kernel)");
+    if vm::Kernel::Debian12Linux612
+        .image(&workspace_root())
+        .is_none()
+    {
+        if !is_root() {
+            bail!("fetching Debian's 6.12 kernel for the test guests needs root: run `sudo cargo xtask setup`");
+        }
+        run_checked(Command::new("apt-get").args(["update", "-q"]))?;
+        vm::fetch_linux_612(&workspace_root())?;
+    }
+    eprintln!("xtask: set-up complete ({route:?} route for the eBPF program, bpf-linker present, qemu and the guest kernels)");
     Ok(route)
 }
 
@@ -547,7 +590,16 @@ fn demo(release: &Path) -> Result<()> {
     Ok(())
 }
 
-fn test(quick: bool, args: Vec<OsString>) -> Result<()> {
+fn test(quick: bool, kernel: &str, args: Vec<OsString>) -> Result<()> {
+    let guests: Vec<vm::Kernel> = match kernel {
+        "all" if quick => Vec::new(),
+        "all" => vm::Kernel::ALL.to_vec(),
+        "host" => Vec::new(),
+        name => vec![vm::Kernel::from_name(name).with_context(|| {
+            format!("unknown kernel `{name}` (expected host, all, debian12, debian12-6.12)")
+        })?],
+    };
+    let on_host = matches!(kernel, "all" | "host");
     if !is_root() {
         bail!("the tests load eBPF programs and trace other processes: run `sudo cargo xtask test` (CI runs as root)");
     }
@@ -603,15 +655,44 @@ fn test(quick: bool, args: Vec<OsString>) -> Result<()> {
     } else {
         runs.push(test());
     }
+    if !on_host {
+        runs.clear();
+    }
     let (mut passed, mut failed) = (0, 0);
     let mut outcome = Ok(());
+    let mut lines = Vec::new();
     for mut run in runs {
         let (p, f, result) = cargo_test(run.args(&args))?;
         (passed, failed) = (passed + p, failed + f);
         outcome = outcome.and(result);
     }
+    if on_host {
+        lines.push(format!("host kernel: {passed} passed, {failed} failed"));
+    }
+    for guest in guests {
+        let run = vm::test(&workspace_root(), guest, &ebpf_object())?;
+        (passed, failed) = (passed + run.passed, failed + run.failed);
+        let mut line = format!(
+            "{}: {} passed, {} failed",
+            guest.name(),
+            run.passed,
+            run.failed
+        );
+        if !run.problems.is_empty() {
+            line += &format!(" ({})", run.problems.join("; "));
+            outcome = outcome.and(Err(anyhow::anyhow!(
+                "the {} guest: {}",
+                guest.name(),
+                run.problems.join("; ")
+            )));
+        }
+        lines.push(line);
+    }
     // One line totalling every test binary's `test result:` line, so the outcome does not
-    // hinge on which binary ran last.
+    // hinge on which binary ran last; and one per kernel.
+    for line in lines {
+        println!("tests on {line}");
+    }
     println!("tests: {passed} passed, {failed} failed");
     outcome?;
     if passed == 0 {

@@ -61,6 +61,10 @@ pub struct BenchArgs {
     /// Print `{"runs":[...]}` instead of the table.
     #[arg(long)]
     json: bool,
+    /// The daemon's write protection in the rksm runs: auto, userfaultfd or soft-dirty
+    /// [default: auto].
+    #[arg(long, value_name = "SOURCE")]
+    write_protect: Option<rksm::engine::dirty::protection::WriteProtectChoice>,
 }
 
 pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
@@ -95,6 +99,7 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         repeat: args.repeat.unwrap_or(if args.quick { 1 } else { 3 }),
         ksmd_default_cap: if args.quick { 45.0 } else { 180.0 },
         guest,
+        write_protect: args.write_protect.map(|w| w.to_string()),
     };
     let mut names: Vec<&str> = bench::matrix().iter().map(|(c, _)| c.name()).collect();
     names.dedup();

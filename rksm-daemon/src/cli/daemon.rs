@@ -16,7 +16,11 @@ use rksm::{
         mib, Daemon, DaemonConfig, DaemonError, DaemonStats, DirtyMode, DomainPolicy,
         OutsiderPolicy,
     },
-    engine::{checksum::ChecksumKind, dirty::DEFAULT_AUDIT_PASSES, targets::TargetSpec},
+    engine::{
+        checksum::ChecksumKind,
+        dirty::{protection::WriteProtectChoice, DEFAULT_AUDIT_PASSES},
+        targets::TargetSpec,
+    },
     service::{
         config::{ConfigFile, Seconds},
         status::{self, HttpAccess, Status, StatusServer, DEFAULT_SOCKET},
@@ -33,9 +37,15 @@ pub struct DaemonOptions {
     #[arg(long, value_name = "PATH")]
     pub config: Option<PathBuf>,
     /// Dirty source: ebpf, pagemap, hash-only, or auto (ebpf if the tracer loads, else
-    /// pagemap, else hash-only) [default: auto].
+    /// pagemap, where the kernel offers write protection; else hash-only) [default: auto].
     #[arg(long, value_name = "MODE")]
     dirty: Option<DirtyMode>,
+    /// Write protection the dirty modes may use: userfaultfd (Linux 6.7+), soft-dirty
+    /// (kernels built with CONFIG_MEM_SOFT_DIRTY), or auto (per target, the best the kernel
+    /// offers: soft-dirty where both are, unless the target uses soft-dirty itself)
+    /// [default: auto].
+    #[arg(long, value_name = "SOURCE")]
+    write_protect: Option<WriteProtectChoice>,
     /// Checksum for the gate [default: xxh64].
     #[arg(long, value_name = "xxh64|crc32c")]
     checksum: Option<ChecksumKind>,
@@ -86,6 +96,7 @@ pub struct DaemonOptions {
 #[derive(Debug)]
 struct Settings {
     dirty: DirtyMode,
+    write_protect: WriteProtectChoice,
     checksum: ChecksumKind,
     domain: DomainPolicy,
     outsiders: OutsiderPolicy,
@@ -104,6 +115,10 @@ impl DaemonOptions {
     fn settings(&self, file: &ConfigFile) -> Settings {
         Settings {
             dirty: self.dirty.or(file.dirty).unwrap_or_default(),
+            write_protect: self
+                .write_protect
+                .or(file.write_protect)
+                .unwrap_or_default(),
             checksum: self
                 .checksum
                 .or(file.checksum)
@@ -144,7 +159,7 @@ impl DaemonOptions {
 /// New processes matching the targets are picked up; exited ones dropped.
 #[derive(Debug, Args)]
 #[command(
-    after_help = "Example:\n  rksm daemon --comm '^python' --dirty ebpf --interval 2\n  rksm daemon --cgroup system.slice/workers.service --duration 600 --json\n  rksm daemon --config /etc/rksm/rksm.toml --metrics-address 127.0.0.1:9464\n\nFiles:\n  /etc/rksm/rksm.toml      settings (every flag has a key; flags win)\n  /run/rksm/rksm.sock      root-only socket `rksm status` asks\n  /run/rksm/ksmd-settings  ksmd's settings found at start, until restored\n  /run/rksm/daemon.lock    one daemon per host"
+    after_help = "Example:\n  rksm daemon --comm '^python' --dirty ebpf --interval 2\n  rksm daemon --pid 4242 --dirty pagemap --write-protect soft-dirty\n  rksm daemon --cgroup system.slice/workers.service --duration 600 --json\n  rksm daemon --config /etc/rksm/rksm.toml --metrics-address 127.0.0.1:9464\n\nFiles:\n  /etc/rksm/rksm.toml      settings (every flag has a key; flags win)\n  /run/rksm/rksm.sock      root-only socket `rksm status` asks\n  /run/rksm/ksmd-settings  ksmd's settings found at start, until restored\n  /run/rksm/daemon.lock    one daemon per host"
 )]
 pub struct DaemonArgs {
     #[command(flatten)]
@@ -223,6 +238,7 @@ fn serve(spec: TargetSpec, options: &Settings, child: Option<u32>) -> anyhow::Re
     let config = DaemonConfig {
         targets: spec,
         dirty: options.dirty,
+        write_protect: options.write_protect,
         checksum: options.checksum,
         domain: options.domain,
         outsiders: options.outsiders,
@@ -237,7 +253,9 @@ fn serve(spec: TargetSpec, options: &Settings, child: Option<u32>) -> anyhow::Re
         .transpose()
         .map_err(BadInput)?;
     let mut daemon = Daemon::start(config).map_err(|e| match e {
-        DaemonError::Targets(e) => anyhow::Error::new(BadInput(e.to_string())),
+        e @ (DaemonError::Targets(_)
+        | DaemonError::NotOffered(_)
+        | DaemonError::NoWriteProtect { .. }) => anyhow::Error::new(BadInput(e.to_string())),
         other => anyhow::Error::new(other),
     })?;
     log::info!(

@@ -134,7 +134,11 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Trace(_) => require(&[Bpf, Perfmon])?,
         Command::Estimate(_) => require(&[SysPtrace, SysAdmin, DacReadSearch])?,
         Command::Daemon(_) | Command::Run(_) | Command::Bench(_) => {
-            require(&[SysPtrace, SysAdmin, Bpf, Perfmon, DacReadSearch])?
+            require(&[SysPtrace, SysAdmin, Bpf, Perfmon, DacReadSearch])?;
+            // Where targets may be write-protected with soft-dirty: their clear_refs.
+            if rksm::kernel::softdirty::supported() {
+                require(&[DacOverride])?;
+            }
         }
         Command::Status(_) | Command::Workload(_) | Command::Completions(_) | Command::Man(_) => {}
     }

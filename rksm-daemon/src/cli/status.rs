@@ -117,6 +117,23 @@ fn human(s: &Status, now: SystemTime) -> String {
             c.cross_domain_unmarked
         );
     }
+    if !c.write_protect.is_empty() {
+        let sources: Vec<String> = c
+            .write_protect
+            .iter()
+            .map(|(source, n)| format!("{n} {source}"))
+            .collect();
+        text += &format!("write protection: {}", sources.join(", "));
+        if c.soft_dirty_clears > 0 {
+            text += &format!(
+                "; {} soft-dirty clears ({:.1} ms in the kernel, {} raced with a fault)",
+                c.soft_dirty_clears,
+                c.soft_dirty_clear_seconds * 1e3,
+                c.soft_dirty_clear_races
+            );
+        }
+        text += "\n";
+    }
     if let Some(run) = c.ksmd_taken_back {
         text += &format!("ksmd: run set to {run} by someone else; rksm no longer paces it\n");
     }
@@ -124,12 +141,22 @@ fn human(s: &Status, now: SystemTime) -> String {
     // KSM pages, as the kernel's /proc/PID/ksm_stat says.
     macro_rules! row {
         ($($field:expr),*) => {
-            format!("{:>8} {:<16} {:>9} {:>9} {:>12} {:>12} {:>9} {:>7} {:>7}  {}\n", $($field),*)
+            format!("{:>8} {:<16} {:>9} {:>9} {:>12} {:>12} {:>9} {:>7} {:>7}  {:<11} {}\n", $($field),*)
         };
     }
     text += "\n";
     text += &row!(
-        "PID", "COMM", "MERGED", "MARKED", "HASHED", "SKIPPED", "FAULTS", "COW", "MISSES", "DOMAIN"
+        "PID",
+        "COMM",
+        "MERGED",
+        "MARKED",
+        "HASHED",
+        "SKIPPED",
+        "FAULTS",
+        "COW",
+        "MISSES",
+        "PROTECTION",
+        "DOMAIN"
     );
     for t in &s.targets {
         text += &row!(
@@ -142,8 +169,27 @@ fn human(s: &Status, now: SystemTime) -> String {
             t.counters.write_faults,
             t.counters.cow_breaks,
             t.counters.dirty_misses,
+            t.write_protect,
             printable(&t.domain)
         );
+    }
+    // Why each target has its source, once per distinct reason.
+    let mut reasons: Vec<(&str, &str, Vec<u32>)> = Vec::new();
+    for t in &s.targets {
+        match reasons
+            .iter_mut()
+            .find(|(source, why, _)| *source == t.write_protect && *why == t.write_protect_why)
+        {
+            Some((_, _, pids)) => pids.push(t.pid),
+            None => reasons.push((&t.write_protect, &t.write_protect_why, vec![t.pid])),
+        }
+    }
+    if !reasons.is_empty() {
+        text += "\n";
+    }
+    for (source, why, pids) in reasons {
+        let pids: Vec<String> = pids.iter().map(u32::to_string).collect();
+        text += &format!("{source} for pid {}: {}\n", pids.join(", "), printable(why));
     }
     text
 }

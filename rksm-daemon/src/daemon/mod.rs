@@ -38,14 +38,16 @@ use crate::{
     },
     engine::{
         checksum::{ChecksumKind, NO_CHECKSUM},
-        dirty::{DirtySource, EbpfSource, HashOnly, PagemapSource, DEFAULT_AUDIT_PASSES},
+        dirty::{
+            protection::{NotOffered, Offer, WriteProtectChoice},
+            DirtySource, EbpfSource, HashOnly, PagemapSource, DEFAULT_AUDIT_PASSES,
+        },
         merge::{Marker, MergePolicy, Run, REGION_SHIFT},
         scan::{PassReport, ScanConfig, Scanner},
         target::Target,
         targets::{SelectionError, TargetSpec},
     },
     kernel::{
-        arming,
         ksmd::{self, KsmdError, KsmdOwner},
         process::{Process, ProcessId},
         procfs::{self, ProcfsError},
@@ -60,14 +62,15 @@ pub const DRAIN_EVERY: Duration = Duration::from_millis(100);
 /// How the daemon decides which pages to hash again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum DirtyMode {
-    /// ebpf if the tracer loads, else pagemap if write-protect arming works, else hash-only.
+    /// ebpf if the tracer loads, else pagemap, where the kernel offers write protection;
+    /// hash-only where it offers none.
     #[default]
     Auto,
     /// KSM's rule: rehash everything every pass.
     HashOnly,
-    /// The eBPF write-fault tracer plus write-protect arming.
+    /// The eBPF write-fault tracer plus write protection (userfaultfd or soft-dirty).
     Ebpf,
-    /// Write-protect arming, written bits from PAGEMAP_SCAN.
+    /// Write protection, written bits from the kernel (PAGEMAP_SCAN or soft-dirty bits).
     Pagemap,
 }
 
@@ -80,6 +83,8 @@ pub struct DaemonConfig {
     pub targets: TargetSpec,
     /// Dirty source.
     pub dirty: DirtyMode,
+    /// Which write-protect sources the dirty modes may use.
+    pub write_protect: WriteProtectChoice,
     /// Checksum for the gate.
     pub checksum: ChecksumKind,
     /// Which targets may share merged pages.
@@ -111,6 +116,7 @@ impl Default for DaemonConfig {
         DaemonConfig {
             targets: TargetSpec::default(),
             dirty: DirtyMode::Auto,
+            write_protect: WriteProtectChoice::Auto,
             checksum: ChecksumKind::Xxh64,
             domain: DomainPolicy::Uid,
             outsiders: OutsiderPolicy::Refuse,
@@ -138,6 +144,17 @@ pub enum DaemonError {
     /// `--dirty ebpf` was asked for and the tracer does not load.
     #[error("--dirty ebpf needs the eBPF tracer: {0}")]
     Tracer(#[from] TracerError),
+    /// A write-protect source was asked for that this kernel does not have.
+    #[error(transparent)]
+    NotOffered(#[from] NotOffered),
+    /// A dirty-bit mode was asked for on a kernel that offers no write protection.
+    #[error("--dirty {mode} needs write protection, and {why}; use --dirty hash-only")]
+    NoWriteProtect {
+        /// The mode asked for.
+        mode: DirtyMode,
+        /// What the kernel lacks.
+        why: String,
+    },
     /// /proc/kpageflags and friends.
     #[error(transparent)]
     Procfs(#[from] ProcfsError),
@@ -202,6 +219,19 @@ pub struct DaemonStats {
     pub targets_refused: BTreeMap<String, u64>,
     /// The dirty mode in use.
     pub dirty_mode: String,
+    /// Current targets by write-protect source (`userfaultfd`, `soft-dirty`, `none`).
+    #[serde(default)]
+    pub write_protect: BTreeMap<String, u64>,
+    /// Clears of targets' soft-dirty bits (each write-protects a whole address space).
+    #[serde(default)]
+    pub soft_dirty_clears: u64,
+    /// Time the kernel took for them.
+    #[serde(default)]
+    pub soft_dirty_clear_seconds: f64,
+    /// Passes over a target (pagemap mode, soft-dirty) that read it whole because one of its
+    /// faults raced with a clear.
+    #[serde(default)]
+    pub soft_dirty_clear_races: u64,
     /// Regions currently backed off because their merged pages keep breaking.
     pub regions_backed_off: u64,
     /// Pages marked mergeable in the live targets.
@@ -239,6 +269,10 @@ pub struct PassSummary {
     /// /proc/kpageflags reads this pass.
     #[serde(default)]
     pub kpageflags_reads: u64,
+    /// Pages whose written bit the dirty source looked at this pass (PAGEMAP_SCAN's walk,
+    /// or soft-dirty bits read one pagemap entry each).
+    #[serde(default)]
+    pub written_bits_read: u64,
     /// Verified duplicates found this pass.
     pub duplicates: u64,
     /// Runs newly marked.
@@ -385,20 +419,58 @@ impl Daemon {
             }
         };
         let recorder = tracer.map(|t| Rc::new(RefCell::new(Recorder::new(t))));
+        let offer = Offer::probe(config.write_protect);
+        offer.check()?;
+        let no_protection = |mode| DaemonError::NoWriteProtect {
+            mode,
+            why: offer.why_none(),
+        };
         let (mode, dirty): (DirtyMode, Box<dyn DirtySource>) = match (config.dirty, &recorder) {
             (DirtyMode::HashOnly, _) => (DirtyMode::HashOnly, Box::new(HashOnly)),
-            (DirtyMode::Pagemap, _) => (DirtyMode::Pagemap, Box::new(PagemapSource::default())),
+            (mode @ (DirtyMode::Pagemap | DirtyMode::Ebpf), _) if !offer.any() => {
+                return Err(no_protection(mode))
+            }
+            (DirtyMode::Pagemap, _) => (DirtyMode::Pagemap, Box::new(PagemapSource::new(offer))),
+            (DirtyMode::Auto, _) if !offer.any() => {
+                log::info!(
+                    "no dirty bit on this kernel ({}): hashing every page every pass",
+                    offer.why_none()
+                );
+                (DirtyMode::HashOnly, Box::new(HashOnly))
+            }
             (DirtyMode::Ebpf | DirtyMode::Auto, Some(recorder)) => (
                 DirtyMode::Ebpf,
-                Box::new(EbpfSource::new(recorder.clone(), config.audit_passes)),
+                Box::new(EbpfSource::new(
+                    recorder.clone(),
+                    config.audit_passes,
+                    offer,
+                )),
             ),
-            (DirtyMode::Auto, None) if arming::supported() => {
-                (DirtyMode::Pagemap, Box::new(PagemapSource::default()))
-            }
-            (DirtyMode::Ebpf | DirtyMode::Auto, None) => (DirtyMode::HashOnly, Box::new(HashOnly)),
+            (DirtyMode::Auto, None) => (DirtyMode::Pagemap, Box::new(PagemapSource::new(offer))),
+            (DirtyMode::Ebpf, None) => unreachable!("a tracer that does not load is an error"),
         };
         if config.dirty == DirtyMode::Auto {
             log::info!("dirty mode: {mode} (chosen automatically)");
+        }
+        if !procfs::ksm_flag_reliable() {
+            log::warn!(
+                "this kernel marks every anonymous page KSM in /proc/kpageflags (a kernel bug): rksm counts a frame as merged only when it is mapped more than once, so frames shared by fork count as merged too"
+            );
+        }
+        if mode != DirtyMode::HashOnly {
+            log::info!(
+                "write protection this kernel offers: userfaultfd {}, soft-dirty {}",
+                if offer.userfaultfd {
+                    "yes"
+                } else {
+                    "no (Linux 6.7+)"
+                },
+                if offer.soft_dirty {
+                    "yes"
+                } else {
+                    "no (CONFIG_MEM_SOFT_DIRTY)"
+                },
+            );
         }
         let scanner = Scanner::new(
             ScanConfig {
@@ -528,6 +600,7 @@ impl Daemon {
             pages_skipped_clean: report.total.pages_skipped_clean,
             pagemap_pages: report.total.pagemap_pages,
             kpageflags_reads: report.total.kpageflags_reads,
+            written_bits_read: report.total.written_bits_read,
             duplicates: report.total.duplicate_pages,
             runs_marked,
             cow_breaks,
@@ -1091,6 +1164,23 @@ impl Daemon {
             .map(|t| t.backoff.active(s.full_scans))
             .sum();
         s.pages_marked = self.targets.values().map(|t| t.marked.pages()).sum();
+        s.write_protect.clear();
+        for t in self.targets.values_mut() {
+            *s.write_protect
+                .entry(t.dirty.write_protect().0.to_string())
+                .or_default() += 1;
+            // The daemon's totals grow by what each target's grew since the last pass.
+            let (clears, ns, races) = t.dirty.soft_dirty_clears();
+            let c = &mut t.counters;
+            s.soft_dirty_clears += clears.saturating_sub(c.soft_dirty_clears);
+            s.soft_dirty_clear_seconds += ns.saturating_sub(c.soft_dirty_clear_ns) as f64 / 1e9;
+            s.soft_dirty_clear_races += races.saturating_sub(c.soft_dirty_clear_races);
+            (
+                c.soft_dirty_clears,
+                c.soft_dirty_clear_ns,
+                c.soft_dirty_clear_races,
+            ) = (clears, ns, races);
+        }
         for p in &report.processes {
             if let Some(t) = self.targets.get_mut(&p.pid) {
                 let c = &mut t.counters;

@@ -88,6 +88,10 @@ pub struct PageCounts {
     /// /proc/kpageflags reads (one `pread` each).
     #[serde(skip)]
     pub kpageflags_reads: u64,
+    /// Pages whose written bit the dirty source looked at (PAGEMAP_SCAN's walk, or soft-dirty
+    /// bits read from pagemap, one entry each).
+    #[serde(skip)]
+    pub written_bits_read: u64,
     /// Pages that vanished between pagemap and reading (unmapped mid-pass).
     #[serde(skip)]
     pub pages_vanished: u64,
@@ -120,6 +124,7 @@ impl PageCounts {
         self.pages_vanished += other.pages_vanished;
         self.pagemap_pages += other.pagemap_pages;
         self.kpageflags_reads += other.kpageflags_reads;
+        self.written_bits_read += other.written_bits_read;
         self.checksum_ns += other.checksum_ns;
         self.ksm_pages_shared += other.ksm_pages_shared;
         self.ksm_pages_sharing += other.ksm_pages_sharing;
@@ -323,6 +328,8 @@ struct Work {
     hold: RangeSet,
     /// Duplicates held at the last pass that passed the gate now: this pass's finds.
     released: u64,
+    /// Pages whose written bit the dirty source looked at.
+    written_bits_read: u64,
 }
 
 impl Work {
@@ -892,6 +899,7 @@ impl Scanner {
             unseen: std::mem::take(&mut target.dirty.unseen),
             hold,
             released: 0,
+            written_bits_read: target.dirty.take_bits_read(),
         }
     }
 
@@ -928,6 +936,7 @@ impl Scanner {
             // Held duplicates count as found in the pass that lets them through the gate.
             counts: PageCounts {
                 duplicate_pages: work.released,
+                written_bits_read: work.written_bits_read,
                 ..PageCounts::default()
             },
             misses: 0,

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     engine::{
-        dirty::DirtyState,
+        dirty::{protection::WriteProtect, DirtyState},
         keys::{KeyMap, KeySet},
         merge::Backoff,
         pages::PageState,
@@ -38,8 +38,17 @@ pub struct TargetCounters {
     /// Writes the tracer saw on merged pages.
     pub cow_breaks: u64,
     /// Written pages the tracer missed and the audit found (ebpf mode); any makes the
-    /// target tracked exactly (by PAGEMAP_SCAN) from then on.
+    /// target tracked exactly from then on.
     pub dirty_misses: u64,
+    /// Clears of its soft-dirty bits.
+    #[serde(default)]
+    pub soft_dirty_clears: u64,
+    /// Time the kernel took for them, in nanoseconds.
+    #[serde(default)]
+    pub soft_dirty_clear_ns: u64,
+    /// Passes (pagemap mode) that read it whole because a fault raced with a clear.
+    #[serde(default)]
+    pub soft_dirty_clear_races: u64,
 }
 
 /// Everything kept about one process.
@@ -128,11 +137,16 @@ impl Target {
         &self.domain_name
     }
 
-    /// Why its writes are tracked exactly (PAGEMAP_SCAN over all its armed memory) rather
-    /// than by the tracer, if they are: the audit found writes without a fault, or it
-    /// holds a KVM vCPU.
+    /// Why its writes are tracked exactly (every armed page's written bit, each pass)
+    /// rather than by the tracer, if they are: the audit found writes without a fault, or
+    /// it holds a KVM vCPU.
     pub fn exact_tracking(&self) -> Option<&str> {
         self.dirty.exact()
+    }
+
+    /// Which write-protect source it uses, and why (or why it has none).
+    pub fn write_protect(&self) -> (WriteProtect, &str) {
+        self.dirty.write_protect()
     }
 
     /// Its counters.

@@ -22,6 +22,9 @@ pub enum Capability {
     /// 0600 and owned by the process's user: without it even root is refused by the file
     /// mode, before ptrace access is asked.
     DacReadSearch,
+    /// Writing other users' /proc/PID/clear_refs (mode 0200, owned by the process's user)
+    /// to clear their soft-dirty bits: needed only on kernels that keep them.
+    DacOverride,
 }
 
 impl Capability {
@@ -32,6 +35,7 @@ impl Capability {
             Capability::Perfmon => 38,
             Capability::Bpf => 39,
             Capability::DacReadSearch => 2,
+            Capability::DacOverride => 1,
         }
     }
 }
@@ -44,6 +48,7 @@ impl fmt::Display for Capability {
             Capability::Perfmon => "CAP_PERFMON",
             Capability::Bpf => "CAP_BPF",
             Capability::DacReadSearch => "CAP_DAC_READ_SEARCH",
+            Capability::DacOverride => "CAP_DAC_OVERRIDE",
         })
     }
 }
@@ -99,6 +104,10 @@ mod tests {
             "root in this container"
         );
         let err = missing(1 << 19 | 1 << 21 | 1 << 2, &all).unwrap_err();
+        assert_eq!(
+            missing(1 << 2, &[Capability::DacOverride]).unwrap_err().0,
+            [Capability::DacOverride]
+        );
         assert_eq!(err.0, [Capability::Perfmon, Capability::Bpf]);
         assert_eq!(
             err.to_string(),

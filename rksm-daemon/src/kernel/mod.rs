@@ -1,7 +1,6 @@
 //! Kernel interfaces: every file, system call and ioctl rksm uses, each wrapped once, so that
 //! the layers above speak in processes, pages and ranges rather than in file formats.
 
-pub mod arming;
 pub mod caps;
 pub mod ksmd;
 pub mod process;
@@ -9,3 +8,5 @@ pub mod procfs;
 pub mod ranges;
 pub mod reader;
 pub mod remote;
+pub mod softdirty;
+pub mod userfaultfd;

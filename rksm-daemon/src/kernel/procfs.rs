@@ -326,23 +326,59 @@ impl KsmStat {
     }
 }
 
-/// Whether `pid` holds a KVM vCPU or the KVM device: its guest's writes to its memory never
-/// fault in user mode.
-pub fn holds_kvm(pid: u32) -> bool {
+/// The open files of `pid`: each fd number with what it refers to (a path, or
+/// `anon_inode:[...]`). Empty once the process is gone.
+pub fn open_files(pid: u32) -> Vec<(String, String)> {
     let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
-        return false;
+        return Vec::new();
     };
-    fds.flatten().any(|fd| {
-        std::fs::read_link(fd.path()).is_ok_and(|target| {
-            let target = target.to_string_lossy();
-            target == "/dev/kvm" || target.starts_with("anon_inode:kvm-vcpu")
+    fds.flatten()
+        .filter_map(|fd| {
+            let target = std::fs::read_link(fd.path()).ok()?;
+            Some((
+                fd.file_name().to_string_lossy().into_owned(),
+                target.to_string_lossy().into_owned(),
+            ))
         })
-    })
+        .collect()
+}
+
+/// Whether an open file (as [`open_files`] names it) is a KVM vCPU or the KVM device: a
+/// guest's writes to its process's memory never fault in user mode.
+pub fn is_kvm(file: &str) -> bool {
+    file == "/dev/kvm" || file.starts_with("anon_inode:kvm-vcpu")
+}
+
+/// Whether an open file is a userfaultfd.
+pub fn is_userfaultfd(file: &str) -> bool {
+    file == "anon_inode:[userfaultfd]"
+}
+
+/// Whether `pid` holds a KVM vCPU or the KVM device.
+pub fn holds_kvm(pid: u32) -> bool {
+    open_files(pid).iter().any(|(_, file)| is_kvm(file))
 }
 
 /// Those of `pages` (of `pid`, sorted) mapped to KSM pages: one pagemap read per run of
 /// consecutive pages, one kpageflags read per page mapped more than once.
 pub fn ksm_mapped(pid: u32, pages: &[u64]) -> HashSet<u64> {
+    mapped_where(pid, pages, |entry, flags| {
+        !entry.exclusive() && flags().is_some_and(PageFlags::ksm)
+    })
+}
+
+/// Those of `pages` (of `pid`, sorted) that are part of a transparent huge page.
+pub fn thp_mapped(pid: u32, pages: &[u64]) -> HashSet<u64> {
+    mapped_where(pid, pages, |_, flags| flags().is_some_and(PageFlags::thp))
+}
+
+/// Those of `pages` (sorted) present in `pid` whose entry and frame flags satisfy `keep`
+/// (which reads kpageflags only if it asks): one pagemap read per run of pages.
+fn mapped_where(
+    pid: u32,
+    pages: &[u64],
+    keep: impl Fn(PagemapEntry, &dyn Fn() -> Option<PageFlags>) -> bool,
+) -> HashSet<u64> {
     let mut mapped = HashSet::new();
     let (Ok(pagemap), Ok(flags)) = (Pagemap::open(pid), KpageFlags::open()) else {
         return mapped;
@@ -352,16 +388,45 @@ pub fn ksm_mapped(pid: u32, pages: &[u64]) -> HashSet<u64> {
         let Ok(got) = pagemap.read(run[0], &mut entries[..run.len()]) else {
             break;
         };
-        for (&page, entry) in run.iter().zip(&entries[..got]) {
-            if entry
-                .pfn()
-                .is_some_and(|pfn| !entry.exclusive() && flags.get(pfn).is_ok_and(|f| f.ksm()))
-            {
+        for (&page, &entry) in run.iter().zip(&entries[..got]) {
+            let Some(pfn) = entry.pfn() else {
+                continue;
+            };
+            if keep(entry, &|| flags.get(pfn).ok()) {
                 mapped.insert(page);
             }
         }
     }
     mapped
+}
+
+/// Whether /proc/kpageflags tells KSM pages apart: a page of rksm's own, anonymous and
+/// written, must not show `KPF_KSM`. Some kernels set it on every anonymous page (Debian
+/// 12's 6.12.117 package does); there rksm can tell a merged frame only by its being mapped
+/// more than once, which a frame shared by fork is too.
+pub fn ksm_flag_reliable() -> bool {
+    static RELIABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *RELIABLE.get_or_init(|| {
+        let mut page = vec![0u8; 2 * PAGE_SIZE as usize];
+        let addr = (page.as_mut_ptr() as u64).next_multiple_of(PAGE_SIZE);
+        // SAFETY: inside the vector, which lives until the end of this closure.
+        unsafe { (addr as *mut u8).write_volatile(1) };
+        let mut entry = [PagemapEntry(0)];
+        let flags = Pagemap::open(std::process::id())
+            .and_then(|pagemap| pagemap.read(addr, &mut entry))
+            .ok()
+            .and_then(|_| entry[0].pfn())
+            .and_then(|pfn| KpageFlags::open().ok()?.get(pfn).ok());
+        std::hint::black_box(&page);
+        flags.is_none_or(|f| !f.ksm())
+    })
+}
+
+/// Whether the host may give anonymous memory transparent huge pages (its setting is not
+/// `never`).
+pub fn thp_enabled() -> bool {
+    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+        .is_ok_and(|s| !s.contains("[never]"))
 }
 
 /// One 64-bit entry of /proc/PID/pagemap (Documentation/admin-guide/mm/pagemap.rst).
@@ -373,6 +438,7 @@ impl PagemapEntry {
     const SWAPPED: u64 = 1 << 62;
     const FILE_OR_SHARED_ANON: u64 = 1 << 61;
     const UFFD_WP: u64 = 1 << 57;
+    const SOFT_DIRTY: u64 = 1 << 55;
     const EXCLUSIVE: u64 = 1 << 56;
     const PFN_MASK: u64 = (1 << 55) - 1;
 
@@ -392,6 +458,11 @@ impl PagemapEntry {
     pub fn uffd_wp(self) -> bool {
         self.0 & Self::UFFD_WP != 0
     }
+    /// Written since the last clear of the process's soft-dirty bits, or in a VMA created
+    /// or grown since (always clear without `CONFIG_MEM_SOFT_DIRTY`).
+    pub fn soft_dirty(self) -> bool {
+        self.0 & Self::SOFT_DIRTY != 0
+    }
     /// The page is mapped exactly once (by this PTE): nobody shares it.
     pub fn exclusive(self) -> bool {
         self.0 & Self::EXCLUSIVE != 0
@@ -403,6 +474,7 @@ impl PagemapEntry {
 }
 
 /// An open /proc/PID/pagemap.
+#[derive(Debug)]
 pub struct Pagemap {
     pid: u32,
     path: PathBuf,
@@ -633,6 +705,25 @@ VmFlags: rd mr mw me mg
         assert!(PageFlags(1 << 21).ksm());
         assert!(PageFlags(1 << 24).zero_page());
         assert!(!PageFlags(1 << 22).zero_page());
+    }
+
+    /// The probe agrees with what kpageflags says of a plain page read here; and where it
+    /// says the flag can be trusted, a plain page is no KSM page.
+    #[test]
+    fn a_plain_anonymous_page_is_not_a_ksm_page_where_the_flag_is_trusted() {
+        let mut page = vec![0u8; 4 * PAGE_SIZE as usize];
+        let addr = (page.as_mut_ptr() as u64).next_multiple_of(PAGE_SIZE);
+        // SAFETY: inside the vector, which lives to the end of the test.
+        unsafe { (addr as *mut u8).write_volatile(7) };
+        let pagemap = Pagemap::open(std::process::id()).unwrap();
+        let mut entry = [PagemapEntry(0)];
+        pagemap.read(addr, &mut entry).unwrap();
+        let pfn = entry[0].pfn().expect("present, and root sees frames");
+        let flags = KpageFlags::open().unwrap().get(pfn).unwrap();
+        std::hint::black_box(&page);
+        assert!(flags.0 & (1 << 12) != 0, "anonymous: {:#x}", flags.0);
+        assert!(entry[0].exclusive(), "mapped once");
+        assert_eq!(ksm_flag_reliable(), !flags.ksm(), "{:#x}", flags.0);
     }
 
     #[test]

@@ -51,6 +51,13 @@ impl Range {
 pub struct RangeSet(Vec<Range>);
 
 impl RangeSet {
+    /// The set of `ranges` (in any order, overlapping or not).
+    pub fn of(ranges: &[Range]) -> RangeSet {
+        let mut set = RangeSet::default();
+        set.union(ranges);
+        set
+    }
+
     /// The ranges, sorted.
     pub fn as_slice(&self) -> &[Range] {
         &self.0

@@ -29,7 +29,7 @@ use serde::{de::Error as _, Deserialize, Deserializer};
 
 use crate::{
     daemon::{DirtyMode, DomainPolicy, OutsiderPolicy},
-    engine::checksum::ChecksumKind,
+    engine::{checksum::ChecksumKind, dirty::protection::WriteProtectChoice},
 };
 
 /// Where the daemon looks for its configuration when `--config` is not given.
@@ -84,6 +84,9 @@ pub struct ConfigFile {
     /// `--dirty`.
     #[serde(default, deserialize_with = "parsed")]
     pub dirty: Option<DirtyMode>,
+    /// `--write-protect`.
+    #[serde(default, deserialize_with = "parsed")]
+    pub write_protect: Option<WriteProtectChoice>,
     /// `--checksum`.
     #[serde(default, deserialize_with = "parsed")]
     pub checksum: Option<ChecksumKind>,

@@ -158,6 +158,12 @@ pub struct TargetStatus {
     pub comm: String,
     /// Its merge domain.
     pub domain: String,
+    /// Its write-protect source: `userfaultfd`, `soft-dirty` or `none`.
+    #[serde(default)]
+    pub write_protect: String,
+    /// Why that source (or why none).
+    #[serde(default)]
+    pub write_protect_why: String,
     /// Its counters.
     #[serde(flatten)]
     pub counters: TargetCounters,
@@ -175,6 +181,8 @@ impl TargetStatus {
             pid: target.pid(),
             comm: target.process().comm().into(),
             domain: target.domain_name().into(),
+            write_protect: target.write_protect().0.to_string(),
+            write_protect_why: target.write_protect().1.into(),
             counters: target.counters.clone(),
             ..TargetStatus::default()
         }
@@ -223,7 +231,7 @@ fn render(status: &Status, per_target: bool) -> String {
         )],
     );
     let last = status.last_pass.as_ref();
-    let daemon_wide: [(&str, &str, &str, f64); 16] = [
+    let daemon_wide: [(&str, &str, &str, f64); 19] = [
         (
             "full_scans",
             "counter",
@@ -315,6 +323,24 @@ fn render(status: &Status, per_target: bool) -> String {
             c.domain_changes as f64,
         ),
         (
+            "soft_dirty_clears",
+            "counter",
+            "Clears of targets' soft-dirty bits (each write-protects a whole address space).",
+            c.soft_dirty_clears as f64,
+        ),
+        (
+            "soft_dirty_clear_seconds",
+            "counter",
+            "Time the kernel took to clear targets' soft-dirty bits.",
+            c.soft_dirty_clear_seconds,
+        ),
+        (
+            "soft_dirty_clear_races",
+            "counter",
+            "Passes that read a target whole because one of its faults raced with a clear (pagemap mode).",
+            c.soft_dirty_clear_races as f64,
+        ),
+        (
             "regions_backed_off",
             "gauge",
             "2 MiB regions not marked because their merged pages keep breaking.",
@@ -334,6 +360,17 @@ fn render(status: &Status, per_target: bool) -> String {
         "counter",
         "Processes refused, by reason.",
         &refused,
+    );
+    let protected: Vec<(String, f64)> = c
+        .write_protect
+        .iter()
+        .map(|(source, &n)| (labels(&[("source", source)]), n as f64))
+        .collect();
+    family(
+        "targets_write_protected",
+        "gauge",
+        "Current targets by write-protect source (userfaultfd, soft-dirty, none).",
+        &protected,
     );
     // Per target; `None` (the kernel has no ksm_stat for it) leaves the series out.
     type Field = fn(&TargetStatus) -> Option<f64>;

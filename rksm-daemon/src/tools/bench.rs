@@ -136,6 +136,20 @@ pub struct RunResult {
     pub ksmd_ns_per_page: Option<f64>,
     /// Pages rksm marked mergeable (rksm modes).
     pub pages_marked: Option<u64>,
+    /// The write-protect sources the targets used (rksm modes), as `source: targets`.
+    #[serde(default)]
+    pub write_protect: Option<String>,
+    /// Steady state: rksm's CPU seconds per pass.
+    #[serde(default)]
+    pub steady_rksm_cpu_per_pass: Option<f64>,
+    /// Steady state: pages whose written bit the dirty source looked at per pass (median).
+    #[serde(default)]
+    pub written_bits_read: Option<u64>,
+    /// Clears of the targets' soft-dirty bits, and the kernel's milliseconds per clear.
+    #[serde(default)]
+    pub soft_dirty_clears: Option<u64>,
+    #[serde(default)]
+    pub ms_per_clear: Option<f64>,
     /// Every workload's memory held exactly what it wrote.
     pub integrity_ok: bool,
     /// The time series.
@@ -159,6 +173,8 @@ pub struct BenchPlan {
     pub ksmd_default_cap: f64,
     /// What the guests boot, for a profile of guests.
     pub guest: Option<GuestImage>,
+    /// The daemon's `--write-protect` (None: its default, auto).
+    pub write_protect: Option<String>,
 }
 
 /// One process of the workload: an `rksm workload` or a qemu guest.
@@ -316,6 +332,9 @@ pub fn run_once(
                 &plan.interval.to_string(),
             ]);
             cmd.args(["--duration", &plan.run_seconds.to_string(), "--json"]);
+            if let Some(source) = &plan.write_protect {
+                cmd.args(["--write-protect", source]);
+            }
             for w in &workloads {
                 cmd.args(["--pid", &w.pid().to_string()]);
             }
@@ -331,7 +350,7 @@ pub fn run_once(
     let mut samples = Vec::new();
     // Pages hashed and seconds of each pass, from the daemon's status (its last pass), not
     // its logs, with when it was seen.
-    let mut passes: Vec<(u64, u64, f64, f64)> = Vec::new();
+    let mut passes: Vec<(u64, u64, f64, f64, u64)> = Vec::new();
     let mut first_pass_cpu = None;
     let daemon_pid = daemon.as_ref().map(Child::id);
     let mut last_rksm_cpu = 0.0;
@@ -364,6 +383,7 @@ pub fn run_once(
                         pass.pages_hashed,
                         pass.seconds,
                         started.elapsed().as_secs_f64(),
+                        pass.written_bits_read,
                     ));
                 }
                 first_pass_cpu.get_or_insert(last_rksm_cpu);
@@ -413,7 +433,7 @@ pub fn run_once(
         (Some(a), Some(b)) if b.t - a.t >= 2.0 => Some((f(b) - f(a)) / (b.t - a.t) * 60.0),
         _ => None,
     };
-    let steady_passes: Vec<&(u64, u64, f64, f64)> =
+    let steady_passes: Vec<&(u64, u64, f64, f64, u64)> =
         passes.iter().filter(|p| p.3 >= steady_from).collect();
     let ksm_scanned = ksm_counter("pages_scanned") - base_scanned;
     let pages_hashed = match config {
@@ -466,6 +486,24 @@ pub fn run_once(
         ksmd_ns_per_page: (mergeable && ksm_scanned > 0)
             .then(|| ksmd_cpu * 1e9 / ksm_scanned as f64),
         pages_marked: stat("pages_marked"),
+        write_protect: rksm_stats.as_ref().and_then(|s| {
+            let sources = s["write_protect"].as_object()?;
+            let list: Vec<String> = sources.iter().map(|(k, v)| format!("{k}: {v}")).collect();
+            Some(list.join(", "))
+        }),
+        steady_rksm_cpu_per_pass: per_minute(|s| s.rksm_cpu).map(|m| m / 60.0 * plan.interval),
+        written_bits_read: (matches!(config, Config::Rksm(_)) && !steady_passes.is_empty())
+            .then(|| median_u64(steady_passes.iter().map(|p| p.4).collect())),
+        soft_dirty_clears: stat("soft_dirty_clears"),
+        ms_per_clear: match (
+            rksm_stats
+                .as_ref()
+                .and_then(|s| s["soft_dirty_clear_seconds"].as_f64()),
+            stat("soft_dirty_clears"),
+        ) {
+            (Some(secs), Some(n)) if n > 0 => Some(secs * 1e3 / n as f64),
+            _ => None,
+        },
         integrity_ok,
         samples,
     })
@@ -550,6 +588,14 @@ pub fn median_of(mut runs: Vec<RunResult>) -> RunResult {
     typical.first_pass_cpu = some(|r| r.first_pass_cpu);
     typical.first_pass_gbps = some(|r| r.first_pass_gbps);
     typical.ksmd_ns_per_page = some(|r| r.ksmd_ns_per_page);
+    typical.steady_rksm_cpu_per_pass = some(|r| r.steady_rksm_cpu_per_pass);
+    typical.ms_per_clear = some(|r| r.ms_per_clear);
+    typical.written_bits_read = typical
+        .written_bits_read
+        .map(|_| u(|r| r.written_bits_read.unwrap_or(0)));
+    typical.soft_dirty_clears = typical
+        .soft_dirty_clears
+        .map(|_| u(|r| r.soft_dirty_clears.unwrap_or(0)));
     typical.cow_breaks = typical.cow_breaks.map(|_| u(|r| r.cow_breaks.unwrap_or(0)));
     typical.unshared_per_sharing = if typical.pages_sharing > 0 {
         typical.pages_unshared as f64 / typical.pages_sharing as f64
@@ -826,6 +872,25 @@ pub fn markdown(
         ));
     }
     md.push('\n');
+    let rksm_rows: Vec<&RunResult> = runs.iter().filter(|r| r.write_protect.is_some()).collect();
+    if !rksm_rows.is_empty() {
+        md.push_str("| mode | checksum | write protection (targets) | pages hashed / steady pass | written bits read / steady pass | rksm CPU ms / steady pass | soft-dirty clears | ms per clear |\n");
+        md.push_str("|---|---|---|---|---|---|---|---|\n");
+        for r in rksm_rows {
+            md.push_str(&format!(
+                "| {} | {} | {} | {} | {} | {} | {} | {} |\n",
+                r.mode,
+                r.checksum,
+                r.write_protect.as_deref().unwrap_or("-"),
+                r.pages_hashed,
+                r.written_bits_read.map_or("-".into(), |n| n.to_string()),
+                opt(r.steady_rksm_cpu_per_pass.map(|s| s * 1e3), 2),
+                r.soft_dirty_clears.map_or("-".into(), |n| n.to_string()),
+                opt(r.ms_per_clear, 3),
+            ));
+        }
+        md.push('\n');
+    }
     for line in verdicts(runs, profile, memory) {
         md.push_str(&format!("- {line}\n"));
     }
@@ -946,6 +1011,11 @@ mod tests {
             first_pass_gbps: Some(hashed as f64 / 1000.0),
             ksmd_ns_per_page: Some(100.0),
             pages_marked: Some(1000),
+            write_protect: None,
+            steady_rksm_cpu_per_pass: None,
+            written_bits_read: None,
+            soft_dirty_clears: None,
+            ms_per_clear: None,
             integrity_ok: true,
             samples: vec![Sample {
                 t: 30.0,

@@ -1,4 +1,5 @@
-//! Write-protect arming: make every first write after a pass fault, and read who wrote.
+//! Userfaultfd write protection (Linux 6.7+): make every first write after a pass fault, and
+//! read who wrote, page by page.
 //!
 //! A dirty bit for anonymous memory that the hardware does not give userspace: rksm creates
 //! a userfaultfd *inside* the target (a remote `userfaultfd(UFFD_USER_MODE_ONLY)`, which also
@@ -380,9 +381,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn this_kernel_has_asynchronous_write_protection() {
-        // The machines rksm targets run Linux 6.18; the proofs showed WP_ASYNC working here.
-        assert!(supported());
+    fn asynchronous_write_protection_is_found_from_linux_6_7_on() {
+        let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+        let mut numbers = release.split(|c: char| !c.is_ascii_digit());
+        let major: u32 = numbers.next().unwrap().parse().unwrap();
+        let minor: u32 = numbers.next().unwrap().parse().unwrap();
+        assert_eq!(
+            supported(),
+            (major, minor) >= (6, 7),
+            "Linux {}",
+            release.trim()
+        );
     }
 
     #[test]

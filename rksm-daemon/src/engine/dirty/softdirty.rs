@@ -1,0 +1,355 @@
+//! Soft-dirty as a dirty source: when to clear, what to read back before, and how to notice
+//! that someone else clears too.
+//!
+//! A clear write-protects the whole address space and erases every soft-dirty bit at once,
+//! so the two things a dirty source needs, "protect again" and "read who wrote", cannot be
+//! done for a slice of memory as userfaultfd does them. Three rules follow.
+//!
+//! - **Bits are read right before they are erased.** Before every clear, the bits of every
+//!   armed page are read (one pagemap entry per virtual page: kernels without PAGEMAP_SCAN
+//!   cannot skip holes), so a write that raised no fault (get_user_pages) is never lost.
+//! - **In ebpf mode, a clear is not needed after every write.** A page written since the last
+//!   clear (the tracer saw its fault, or the audit its bit) stays writable, so further writes
+//!   to it are invisible: it is *unprotected*, and rehashed every pass until the next clear.
+//!   A clear costs about as much as rehashing 1/[`CLEAR_SHARE`] of the armed pages, so it is
+//!   done once the rehashing it would have saved since the last one adds up to that (the
+//!   rent-or-buy rule: never more than twice the cost of the better choice made in
+//!   hindsight). A page rewritten every pass costs the same either way. Between clears the
+//!   rolling audit reads a slice of the bits, which accumulate until the next clear.
+//! - **In pagemap mode, the target's fault count guards the gap.** Without the tracer, a
+//!   write between reading a page's bit and the clear would be erased unseen. The kernel
+//!   counts every fault of the target's threads before a clear can start (the clear takes
+//!   the mmap lock for writing, a fault holds it for reading), so a count that moved between
+//!   the read and the end of the clear means such a write may have happened: that pass then
+//!   trusts nothing and reads the whole target, after the clear. In ebpf mode the tracer
+//!   sees those writes instead.
+//!
+//! The bits are one set per process, shared with whoever else clears them. Besides a target
+//! holding a clear_refs open (checked before every clear), a write the tracer saw since
+//! rksm's last clear must still show its bit: if a present page that is neither a KSM page
+//! nor the zero page shows none, someone else cleared the bits (CRIU pre-dumping it, or the
+//! program itself), and rksm stops clearing them for good.
+//!
+//! A write fault in a transparent huge page makes all of its 2 MiB writable, so the whole
+//! huge page counts as written.
+
+use std::collections::HashSet;
+
+use rksm_common::PAGE_SIZE;
+
+use crate::{
+    engine::dirty::audit_slice,
+    kernel::{
+        process::Process,
+        procfs::{self, Vma},
+        ranges::{page_runs, Range, RangeSet},
+        softdirty::{minor_faults, SoftDirty, SoftDirtyError},
+    },
+};
+
+/// A clear is due once the pages rehashed since the last clear only because they were
+/// unprotected add up to 1/`CLEAR_SHARE` of the armed pages: reading every armed page's bit
+/// and clearing costs about as much as rehashing that share (docs/BENCHMARKS.md, "Kernels").
+pub const CLEAR_SHARE: u64 = 64;
+
+/// The size of a transparent huge page.
+const HUGE_PAGE: u64 = 2 << 20;
+
+/// Why soft-dirty stopped for a target.
+#[derive(Debug)]
+pub(crate) enum Stop {
+    /// The process exited.
+    Gone,
+    /// Its bits must not be cleared by rksm (it or someone else clears them): why.
+    Refused(String),
+    /// Clearing or reading failed for a lasting reason: why.
+    Failed(String),
+}
+
+impl From<SoftDirtyError> for Stop {
+    fn from(e: SoftDirtyError) -> Self {
+        match e {
+            SoftDirtyError::Gone(_) => Stop::Gone,
+            e @ SoftDirtyError::UsedByTarget { .. } => Stop::Refused(format!(
+                "{e}: clearing them too would lose writes it has not read yet"
+            )),
+            e => Stop::Failed(e.to_string()),
+        }
+    }
+}
+
+/// What one pass of the source found.
+#[derive(Debug, Default)]
+pub(crate) struct Found {
+    /// Nothing can be vouched for this pass: read everything.
+    pub all: bool,
+    /// Pages to rehash.
+    pub written: HashSet<u64>,
+    /// Ranges under protection since before this pass: their other pages are clean.
+    pub trusted: RangeSet,
+    /// Pages whose bit showed a write no fault was recorded for: a changed checksum is a miss.
+    pub unseen: HashSet<u64>,
+}
+
+impl Found {
+    fn everything() -> Found {
+        Found {
+            all: true,
+            ..Found::default()
+        }
+    }
+}
+
+/// What soft-dirty keeps about one target.
+#[derive(Debug)]
+pub(crate) struct SoftDirtyArming {
+    bits: SoftDirty,
+    /// Ranges that existed at the last clear (and still do): every page in them was
+    /// write-protected then.
+    armed: RangeSet,
+    cleared: bool,
+    /// Pages written since the last clear: writable, so writes to them are not seen.
+    unprotected: HashSet<u64>,
+    /// Pages rehashed since the last clear only because they were unprotected or new.
+    carried_since_clear: u64,
+    /// Pages seen mapped to the zero page when their bits were last read.
+    zero: RangeSet,
+    clears: u64,
+    clear_ns: u64,
+    raced: u64,
+    /// Pagemap entries read since the last take.
+    bits_read: u64,
+}
+
+impl SoftDirtyArming {
+    /// Soft-dirty for `process`; the first pass clears.
+    pub fn open(process: &Process) -> Result<Self, SoftDirtyError> {
+        Ok(SoftDirtyArming {
+            bits: SoftDirty::open(process)?,
+            armed: RangeSet::default(),
+            cleared: false,
+            unprotected: HashSet::new(),
+            carried_since_clear: 0,
+            zero: RangeSet::default(),
+            clears: 0,
+            clear_ns: 0,
+            raced: 0,
+            bits_read: 0,
+        })
+    }
+
+    /// Ranges whose pages are write-protected from now on.
+    pub fn armed_ranges(&self) -> &RangeSet {
+        &self.armed
+    }
+
+    /// Clears so far, and the time the kernel took for them.
+    pub fn clears(&self) -> (u64, u64) {
+        (self.clears, self.clear_ns)
+    }
+
+    /// Passes (pagemap mode) that read the whole target because a fault raced with a clear.
+    pub fn raced(&self) -> u64 {
+        self.raced
+    }
+
+    /// Pagemap entries read since the last call.
+    pub fn take_bits_read(&mut self) -> u64 {
+        std::mem::take(&mut self.bits_read)
+    }
+
+    /// `--dirty pagemap`: every armed page's bit, read each pass; a clear when any was set.
+    pub fn pagemap_pass(&mut self, process: &Process, vmas: &[Vma]) -> Result<Found, Stop> {
+        let ranges = ranges_of(vmas);
+        let armed_before = self.armed.clip_to(vmas);
+        if !self.cleared {
+            self.clear(process, &ranges)?;
+            return Ok(Found::everything());
+        }
+        let faults = minor_faults(process.pid());
+        let mut found = Found {
+            trusted: armed_before.clone(),
+            ..Found::default()
+        };
+        // Without a tracer a set bit is simply a write (none is a miss), and so is a page
+        // newly mapped to the zero page.
+        let mut set = HashSet::new();
+        self.look(armed_before.as_slice(), &mut found.written, &mut set)?;
+        found.written.extend(set);
+        let new = armed_before.minus(&ranges);
+        if found.written.is_empty() && new.is_empty() {
+            return Ok(found);
+        }
+        self.clear(process, &ranges)?;
+        if faults.is_none() || minor_faults(process.pid()) != faults {
+            self.raced += 1;
+            found.trusted = RangeSet::default();
+        }
+        Ok(found)
+    }
+
+    /// `--dirty ebpf`: the tracer's records (`recorded`, taken before this call; `after`
+    /// takes those that arrive while it runs), a rolling audit of the bits, and a clear when
+    /// one is due. `exact` reads every armed page's bit each pass and clears whenever
+    /// something was written (a target that writes without faulting).
+    pub fn ebpf_pass(
+        &mut self,
+        process: &Process,
+        vmas: &[Vma],
+        exact: bool,
+        recorded: &HashSet<u64>,
+        audit: (&mut u64, u32),
+        after: &mut dyn FnMut() -> HashSet<u64>,
+    ) -> Result<Found, Stop> {
+        let pid = process.pid();
+        let ranges = ranges_of(vmas);
+        let armed_before = self.armed.clip_to(vmas);
+        self.unprotected.retain(|&p| armed_before.contains(p));
+        if !self.cleared {
+            self.clear(process, &ranges)?;
+            self.unprotected.extend(after());
+            return Ok(Found::everything());
+        }
+        let mut recorded: Vec<u64> = recorded
+            .iter()
+            .copied()
+            .filter(|&p| armed_before.contains(p))
+            .collect();
+        recorded.sort_unstable();
+        // Pages written since the last clear whose bit is not set yet: looked at again below.
+        let suspects = self.unset(&recorded)?;
+        self.unprotected.extend(recorded.iter().copied());
+        for base in huge_pages(pid, &recorded) {
+            let huge = Range::new(base, base + HUGE_PAGE);
+            for r in armed_before.within(huge) {
+                self.unprotected
+                    .extend((r.start..r.end).step_by(PAGE_SIZE as usize));
+            }
+        }
+        let mut found = Found {
+            trusted: armed_before.clone(),
+            ..Found::default()
+        };
+        let slice = match exact {
+            true => armed_before.as_slice().to_vec(),
+            false => audit_slice(&armed_before, audit.0, audit.1),
+        };
+        let mut zeroed = HashSet::new();
+        self.look(&slice, &mut zeroed, &mut found.unseen)?;
+        self.unprotected.extend(found.unseen.iter().copied());
+        let new = armed_before.minus(&ranges);
+        let carry = self.unprotected.len() as u64 + new.iter().map(Range::pages).sum::<u64>();
+        let due = carry > 0
+            && (exact
+                || self.carried_since_clear + carry >= (armed_before.pages() / CLEAR_SHARE).max(1));
+        found.written.extend(self.unprotected.iter().copied());
+        found.written.extend(zeroed);
+        if due && !exact {
+            // Every bit is read right before the clear erases it.
+            let rest = RangeSet::of(&slice).minus(armed_before.as_slice());
+            let mut zeroed = HashSet::new();
+            self.look(&rest, &mut zeroed, &mut found.unseen)?;
+            found.written.extend(zeroed);
+        }
+        if !suspects.is_empty() {
+            let still = self.unset(&suspects)?;
+            if !still.is_empty() {
+                return Err(Stop::Refused(format!(
+                    "its soft-dirty bits are cleared by someone else too (CRIU pre-dumping it, or the program itself): {} page(s) written since rksm's last clear show no bit",
+                    still.len()
+                )));
+            }
+        }
+        if due {
+            self.clear(process, &ranges)?;
+        } else {
+            self.carried_since_clear += carry;
+        }
+        found.written.extend(found.unseen.iter().copied());
+        let late = after();
+        found.written.extend(late.iter().copied());
+        self.unprotected.extend(late);
+        Ok(found)
+    }
+
+    /// Clears the bits and arms `ranges`.
+    fn clear(&mut self, process: &Process, ranges: &[Range]) -> Result<(), Stop> {
+        let took = self.bits.clear(process)?;
+        self.armed = RangeSet::of(ranges);
+        self.cleared = true;
+        self.unprotected.clear();
+        self.carried_since_clear = 0;
+        self.clears += 1;
+        self.clear_ns += took.as_nanos() as u64;
+        Ok(())
+    }
+
+    /// Reads the bits of `ranges`: pages with a bit set that are not known to be unprotected
+    /// go to `unseen`, and pages newly mapped to the zero page to `zeroed` (a page emptied
+    /// with `MADV_DONTNEED` and read again changed without a write).
+    fn look(
+        &mut self,
+        ranges: &[Range],
+        zeroed: &mut HashSet<u64>,
+        unseen: &mut HashSet<u64>,
+    ) -> Result<(), Stop> {
+        if ranges.is_empty() {
+            return Ok(());
+        }
+        let bits = self.bits.read(ranges)?;
+        self.bits_read += bits.entries;
+        unseen.extend(
+            bits.written
+                .iter()
+                .copied()
+                .filter(|p| !self.unprotected.contains(p)),
+        );
+        zeroed.extend(
+            bits.zero
+                .iter()
+                .copied()
+                .filter(|&p| !self.zero.contains(p)),
+        );
+        self.zero.remove(ranges);
+        let runs: Vec<Range> = page_runs(&bits.zero, usize::MAX)
+            .map(|run| Range::new(run[0], run[run.len() - 1] + PAGE_SIZE))
+            .collect();
+        self.zero.union(&runs);
+        Ok(())
+    }
+
+    /// Those of `pages` (sorted) present with their bit clear, and mapped to neither a KSM
+    /// page nor the zero page: written since the last clear, yet clean.
+    fn unset(&mut self, pages: &[u64]) -> Result<Vec<u64>, Stop> {
+        if pages.is_empty() {
+            return Ok(Vec::new());
+        }
+        let bits = self.bits.read_pages(pages)?;
+        self.bits_read += bits.entries;
+        let clean = bits.clean;
+        let merged = procfs::ksm_mapped(self.bits.pid(), &clean);
+        Ok(clean.into_iter().filter(|p| !merged.contains(p)).collect())
+    }
+}
+
+/// The ranges of `vmas`.
+fn ranges_of(vmas: &[Vma]) -> Vec<Range> {
+    vmas.iter().map(|v| Range::new(v.start, v.end)).collect()
+}
+
+/// The 2 MiB-aligned starts of the transparent huge pages among `pages` (sorted) of `pid`,
+/// from kpageflags; none where the host allocates no huge pages.
+fn huge_pages(pid: u32, pages: &[u64]) -> Vec<u64> {
+    if pages.is_empty() || !procfs::thp_enabled() {
+        return Vec::new();
+    }
+    // One page per huge-page-sized block is enough to ask about.
+    let mut firsts: Vec<u64> = pages.to_vec();
+    firsts.dedup_by_key(|p| *p / HUGE_PAGE);
+    let mut bases: Vec<u64> = procfs::thp_mapped(pid, &firsts)
+        .into_iter()
+        .map(|p| p / HUGE_PAGE * HUGE_PAGE)
+        .collect();
+    bases.sort_unstable();
+    bases
+}

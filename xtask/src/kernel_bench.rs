@@ -1,0 +1,172 @@
+//! `cargo xtask bench --kernel ...`: what a steady pass costs on each kernel of the matrix.
+//!
+//! Runs `rksm bench` over the static profile (hash-only, pagemap and ebpf side by side, on
+//! fresh workloads) on the host's kernel and in guests booting Debian 12's kernels, once per
+//! write-protect source each kernel offers, keeps each run's report (without its time
+//! series) in docs/bench-kernels/, and prints the table docs/BENCHMARKS.md shows, built from
+//! every report there. Guests run under emulation, so their seconds are not the host's: the
+//! table gives counts, and each mode's CPU per pass as a ratio to hash-only's in the same
+//! run.
+
+use std::{fs, path::Path, process::Command};
+
+use anyhow::{bail, Context, Result};
+
+use crate::vm::Kernel;
+
+/// One run of the matrix: a kernel (None: the host's) and the write protection asked for.
+struct Run {
+    kernel: Option<Kernel>,
+    write_protect: &'static str,
+}
+
+impl Run {
+    fn label(&self) -> String {
+        let kernel = self.kernel.map_or("host", Kernel::name);
+        format!("{kernel}-{}", self.write_protect)
+    }
+}
+
+/// The runs for `--kernel NAME` (`host`, a guest kernel, or `all`).
+fn runs(kernel: &str) -> Result<Vec<Run>> {
+    let host = || Run {
+        kernel: None,
+        write_protect: "auto",
+    };
+    let debian12 = || Run {
+        kernel: Some(Kernel::Debian12),
+        write_protect: "auto",
+    };
+    // 6.12 offers both sources: one run each.
+    let both = || {
+        ["soft-dirty", "userfaultfd"].map(|write_protect| Run {
+            kernel: Some(Kernel::Debian12Linux612),
+            write_protect,
+        })
+    };
+    Ok(match kernel {
+        "host" => vec![host()],
+        "debian12" => vec![debian12()],
+        "debian12-6.12" => both().into(),
+        "all" => {
+            let mut all = vec![host(), debian12()];
+            all.extend(both());
+            all
+        }
+        other => bail!("unknown kernel `{other}` (expected host, all, debian12, debian12-6.12)"),
+    })
+}
+
+/// Runs the bench for `kernel` with `repeat` runs of `seconds` each, writes the reports,
+/// and prints the table.
+pub fn bench(root: &Path, kernel: &str, repeat: u32, seconds: u32) -> Result<()> {
+    let dir = root.join("docs/bench-kernels");
+    fs::create_dir_all(&dir)?;
+    for run in runs(kernel)? {
+        let mut args: Vec<String> = [
+            "--no-config",
+            "--log-level",
+            "warn",
+            "bench",
+            "--profile",
+            "static",
+            "--only",
+            "hash-only,pagemap,ebpf",
+            "--interval",
+            "1",
+            "--json",
+            "--write-protect",
+            run.write_protect,
+        ]
+        .map(String::from)
+        .into();
+        args.extend(["--repeat".into(), repeat.to_string()]);
+        args.extend(["--seconds".into(), seconds.to_string()]);
+        let out = match run.kernel {
+            None => {
+                let out = Command::new(root.join("target/release/rksm"))
+                    .args(&args)
+                    .output()
+                    .context("running rksm bench")?;
+                if !out.status.success() {
+                    bail!(
+                        "rksm bench failed: {}",
+                        String::from_utf8_lossy(&out.stderr)
+                    );
+                }
+                String::from_utf8(out.stdout)?
+            }
+            Some(kernel) => crate::vm::rksm(root, kernel, &args)?,
+        };
+        let mut report: serde_json::Value =
+            serde_json::from_str(out.trim()).context("rksm bench's JSON")?;
+        for r in report["runs"].as_array_mut().into_iter().flatten() {
+            if let Some(r) = r.as_object_mut() {
+                r.remove("samples");
+            }
+        }
+        report["kernel"] = run.kernel.map_or("host", Kernel::name).into();
+        report["write_protect_asked"] = run.write_protect.into();
+        report["command"] = format!("cargo xtask bench --kernel {kernel}").into();
+        let path = dir.join(format!("{}.json", run.label()));
+        fs::write(&path, serde_json::to_string_pretty(&report)? + "\n")?;
+        eprintln!("xtask: wrote {}", path.display());
+    }
+    print!("{}", table(&dir)?);
+    Ok(())
+}
+
+/// The kernels table from every report in `dir`.
+fn table(dir: &Path) -> Result<String> {
+    let mut reports: Vec<(String, serde_json::Value)> = Vec::new();
+    for entry in fs::read_dir(dir)?.flatten() {
+        let path = entry.path();
+        if path.extension().is_some_and(|e| e == "json") {
+            let text = fs::read_to_string(&path)?;
+            reports.push((
+                path.file_stem()
+                    .unwrap_or_default()
+                    .to_string_lossy()
+                    .into(),
+                serde_json::from_str(&text)?,
+            ));
+        }
+    }
+    reports.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut out = String::from(
+        "| kernel | mode | write protection (targets) | pages hashed / steady pass | written bits read / steady pass | rksm CPU / steady pass, vs hash-only | soft-dirty clears in the run | ms per clear |\n|---|---|---|---|---|---|---|---|\n",
+    );
+    for (_, report) in &reports {
+        let runs = report["runs"].as_array().cloned().unwrap_or_default();
+        let cpu = |r: &serde_json::Value| r["steady_rksm_cpu_per_pass"].as_f64();
+        let base = runs
+            .iter()
+            .find(|r| r["mode"] == "hash-only" && r["checksum"] == "xxh64")
+            .and_then(cpu);
+        for r in runs.iter().filter(|r| r["checksum"] == "xxh64") {
+            let show = |v: &serde_json::Value| match v {
+                serde_json::Value::Null => "-".to_string(),
+                serde_json::Value::String(s) => s.clone(),
+                v => v.to_string(),
+            };
+            let ratio = match (cpu(r), base) {
+                (Some(c), Some(b)) if b > 0.0 => format!("{:.3}", c / b),
+                _ => "-".into(),
+            };
+            out += &format!(
+                "| {} | {} | {} | {} | {} | {} | {} | {} |\n",
+                show(&report["kernel"]),
+                show(&r["mode"]),
+                show(&r["write_protect"]),
+                show(&r["pages_hashed"]),
+                show(&r["written_bits_read"]),
+                ratio,
+                show(&r["soft_dirty_clears"]),
+                r["ms_per_clear"]
+                    .as_f64()
+                    .map_or("-".into(), |ms| format!("{ms:.2}")),
+            );
+        }
+    }
+    Ok(out)
+}
