@@ -327,3 +327,40 @@ fn thp_pages(pid: u32, region: Region, pages: u64) -> usize {
         })
         .count()
 }
+
+/// Pagemap mode on a busy target: its threads write all the time, so they fault right after
+/// every clear. The tracer names the pages written between reading the bits and clearing
+/// them, so no pass has to read the target whole (`soft_dirty_clear_races`), and each pass
+/// hashes the page written since the last one, not the target.
+#[test]
+fn pagemap_mode_on_a_busy_target_reads_only_what_was_written() {
+    require_root();
+    if !softdirty::supported() {
+        return soft_dirty_is_not_claimed();
+    }
+    let _turn = ksm_turn();
+    let mut child = TestChild::spawn();
+    let region = child.map(N);
+    child.write_unique(region, 0, N, 60_000);
+    child.threads(2);
+    let pid = child.pid();
+    let mut daemon = daemon(
+        pid,
+        &[(region, N)],
+        DirtyMode::Pagemap,
+        WriteProtectChoice::SoftDirty,
+    );
+    for _ in 0..3 {
+        pass(&mut daemon);
+    }
+    for round in 0..8 {
+        child.write_unique(region, round, 1, 70_000 + round);
+        daemon.pass();
+        let last = daemon.last_pass().unwrap().clone();
+        assert_eq!(last.pages_hashed, 1, "round {round}: {last:?}");
+    }
+    let stats = daemon.finish();
+    assert_eq!(stats.soft_dirty_clear_races, 0, "{stats:?}");
+    assert!(stats.soft_dirty_clears >= 9, "{stats:?}");
+    assert!(child.verify_unique(region, 8, N - 8, 60_008));
+}

@@ -72,6 +72,8 @@ pub fn bench(root: &Path, kernel: &str, repeat: u32, seconds: u32) -> Result<()>
             "static",
             "--only",
             "hash-only,pagemap,ebpf",
+            "--checksum",
+            "xxh64",
             "--interval",
             "1",
             "--json",

@@ -61,6 +61,9 @@ pub struct BenchArgs {
     /// Print `{"runs":[...]}` instead of the table.
     #[arg(long)]
     json: bool,
+    /// Only the rksm rows with this checksum [default: both].
+    #[arg(long, value_name = "xxh64|crc32c")]
+    checksum: Option<rksm::engine::checksum::ChecksumKind>,
     /// The daemon's write protection in the rksm runs: auto, userfaultfd or soft-dirty
     /// [default: auto].
     #[arg(long, value_name = "SOURCE")]
@@ -124,6 +127,14 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     let mut results: Vec<RunResult> = Vec::new();
     for (config, checksum) in bench::matrix() {
         if !args.only.is_empty() && !args.only.iter().any(|o| o == config.name()) {
+            continue;
+        }
+        // ksmd's rows use the kernel's own checksum, whatever is asked.
+        let ksmd = !matches!(config, bench::Config::Rksm(_));
+        if args
+            .checksum
+            .is_some_and(|c| !ksmd && c.to_string() != checksum)
+        {
             continue;
         }
         let mut runs = Vec::new();

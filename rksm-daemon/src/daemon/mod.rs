@@ -229,7 +229,7 @@ pub struct DaemonStats {
     #[serde(default)]
     pub soft_dirty_clear_seconds: f64,
     /// Passes over a target (pagemap mode, soft-dirty) that read it whole because one of its
-    /// faults raced with a clear.
+    /// faults raced with a clear the tracer could not vouch for.
     #[serde(default)]
     pub soft_dirty_clear_races: u64,
     /// Regions currently backed off because their merged pages keep breaking.
@@ -430,7 +430,10 @@ impl Daemon {
             (mode @ (DirtyMode::Pagemap | DirtyMode::Ebpf), _) if !offer.any() => {
                 return Err(no_protection(mode))
             }
-            (DirtyMode::Pagemap, _) => (DirtyMode::Pagemap, Box::new(PagemapSource::new(offer))),
+            (DirtyMode::Pagemap, recorder) => (
+                DirtyMode::Pagemap,
+                Box::new(PagemapSource::new(offer, recorder.clone())),
+            ),
             (DirtyMode::Auto, _) if !offer.any() => {
                 log::info!(
                     "no dirty bit on this kernel ({}): hashing every page every pass",
@@ -446,7 +449,10 @@ impl Daemon {
                     offer,
                 )),
             ),
-            (DirtyMode::Auto, None) => (DirtyMode::Pagemap, Box::new(PagemapSource::new(offer))),
+            (DirtyMode::Auto, None) => (
+                DirtyMode::Pagemap,
+                Box::new(PagemapSource::new(offer, None)),
+            ),
             (DirtyMode::Ebpf, None) => unreachable!("a tracer that does not load is an error"),
         };
         if config.dirty == DirtyMode::Auto {

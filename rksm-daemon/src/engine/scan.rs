@@ -98,6 +98,9 @@ pub struct PageCounts {
     /// Time spent computing checksums.
     #[serde(skip)]
     pub checksum_ns: u64,
+    /// Time spent copying pages out of the process and checksumming them.
+    #[serde(skip)]
+    pub read_hash_ns: u64,
     /// KSM pages (counted once each), as ksmd's `pages_shared`.
     #[serde(skip)]
     pub ksm_pages_shared: u64,
@@ -126,6 +129,7 @@ impl PageCounts {
         self.kpageflags_reads += other.kpageflags_reads;
         self.written_bits_read += other.written_bits_read;
         self.checksum_ns += other.checksum_ns;
+        self.read_hash_ns += other.read_hash_ns;
         self.ksm_pages_shared += other.ksm_pages_shared;
         self.ksm_pages_sharing += other.ksm_pages_sharing;
     }
@@ -403,6 +407,8 @@ struct ReadDone {
     sums: Vec<u64>,
     result: Result<(), ReaderError>,
     checksum_ns: u64,
+    /// The whole job: the copy and the checksums.
+    read_hash_ns: u64,
 }
 
 /// Reads and checksums `job`'s pages.
@@ -416,6 +422,7 @@ fn read_and_hash(job: ReadJob, kind: ChecksumKind) -> ReadDone {
     if bytes.len() < addrs.len() * PAGE {
         bytes.resize(CHUNK_PAGES.max(addrs.len()) * PAGE, 0);
     }
+    let started = Instant::now();
     let mut read_ok = vec![false; addrs.len()];
     let result = reader::read_pages(&mem, &addrs, &mapped_once, &mut bytes, &mut read_ok);
     let hashing = Instant::now();
@@ -434,6 +441,7 @@ fn read_and_hash(job: ReadJob, kind: ChecksumKind) -> ReadDone {
         sums,
         result: result.map(|_| ()),
         checksum_ns: hashing.elapsed().as_nanos() as u64,
+        read_hash_ns: started.elapsed().as_nanos() as u64,
     }
 }
 
@@ -1059,6 +1067,9 @@ impl Scanner {
         counts.pages_skipped_clean = scan.target.pages.len().saturating_sub(counts.scanned_pages);
         let pid = scan.target.pid();
         scan.target.dirty.note_misses(pid, scan.misses);
+        scan.target
+            .dirty
+            .note_rehash_cost(counts.read_hash_ns, counts.pages_hashed);
         Ok(counts)
     }
 
@@ -1191,6 +1202,7 @@ impl Scanner {
             sums: fresh,
             result,
             checksum_ns,
+            read_hash_ns,
         } = done;
         let InProgress {
             target,
@@ -1218,6 +1230,7 @@ impl Scanner {
         let pid = open.pid;
         let kind = self.config.checksum;
         counts.checksum_ns += checksum_ns;
+        counts.read_hash_ns += read_hash_ns;
         counts.pages_hashed += fresh.iter().filter(|&&c| c != NO_CHECKSUM).count() as u64;
 
         let index = self

@@ -46,7 +46,8 @@ pub struct TargetCounters {
     /// Time the kernel took for them, in nanoseconds.
     #[serde(default)]
     pub soft_dirty_clear_ns: u64,
-    /// Passes (pagemap mode) that read it whole because a fault raced with a clear.
+    /// Passes that read it whole because a fault raced with a clear (pagemap mode, where
+    /// the tracer could not vouch for it).
     #[serde(default)]
     pub soft_dirty_clear_races: u64,
 }

@@ -337,7 +337,7 @@ fn render(status: &Status, per_target: bool) -> String {
         (
             "soft_dirty_clear_races",
             "counter",
-            "Passes that read a target whole because one of its faults raced with a clear (pagemap mode).",
+            "Passes that read a target whole because one of its faults raced with a clear the tracer could not vouch for.",
             c.soft_dirty_clear_races as f64,
         ),
         (

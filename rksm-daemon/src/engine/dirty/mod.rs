@@ -146,6 +146,14 @@ impl DirtyState {
         }
     }
 
+    /// What reading and checksumming `pages` pages of the target cost this pass, which
+    /// soft-dirty weighs against a clear.
+    pub(crate) fn note_rehash_cost(&mut self, ns: u64, pages: u64) {
+        if let Arming::SoftDirty(bits) = &mut self.arming {
+            bits.note_rehash_cost(ns, pages);
+        }
+    }
+
     /// Pages whose written bit was looked at since the last call.
     pub(crate) fn take_bits_read(&mut self) -> u64 {
         std::mem::take(&mut self.bits_read)
@@ -348,18 +356,22 @@ pub(crate) fn audit_slice(ranges: &RangeSet, cursor: &mut u64, passes: u32) -> V
 }
 
 /// `--dirty pagemap`: written bits straight from the kernel (PAGEMAP_SCAN, or soft-dirty
-/// bits read page by page); the exact reference.
-#[derive(Debug)]
+/// bits read page by page); the exact reference. With soft-dirty, reading the bits and
+/// clearing them are two steps, and the tracer, where it is loaded, names the writes in
+/// between ([`softdirty`]); it decides nothing else.
 pub struct PagemapSource {
     offer: Offer,
+    recorder: Option<Rc<RefCell<Recorder>>>,
     remote_syscalls: u64,
 }
 
 impl PagemapSource {
-    /// A source using what `offer` offers.
-    pub fn new(offer: Offer) -> Self {
+    /// A source using what `offer` offers, and the tracer's records, if it is loaded, for
+    /// the gap between reading soft-dirty bits and clearing them.
+    pub fn new(offer: Offer, recorder: Option<Rc<RefCell<Recorder>>>) -> Self {
         PagemapSource {
             offer,
+            recorder,
             remote_syscalls: 0,
         }
     }
@@ -386,7 +398,13 @@ impl DirtySource for PagemapSource {
                 return Ok(DirtySet::Only { written, armed });
             }
             Arming::SoftDirty(bits) => {
-                let found = bits.pagemap_pass(process, vmas);
+                let (recorder, tracer, pid) = (&self.recorder, &mut state.tracer, process.pid());
+                let mut gap = || {
+                    let recorder = recorder.as_ref()?;
+                    let taken = recorder.borrow_mut().take(pid, tracer);
+                    (tracer.tracked() && !taken.lost).then_some(taken.pages)
+                };
+                let found = bits.pagemap_pass(process, vmas, &mut gap);
                 state.bits_read += bits.take_bits_read();
                 found
             }

@@ -11,18 +11,22 @@
 //! - **In ebpf mode, a clear is not needed after every write.** A page written since the last
 //!   clear (the tracer saw its fault, or the audit its bit) stays writable, so further writes
 //!   to it are invisible: it is *unprotected*, and rehashed every pass until the next clear.
-//!   A clear costs about as much as rehashing 1/[`CLEAR_SHARE`] of the armed pages, so it is
-//!   done once the rehashing it would have saved since the last one adds up to that (the
-//!   rent-or-buy rule: never more than twice the cost of the better choice made in
-//!   hindsight). A page rewritten every pass costs the same either way. Between clears the
-//!   rolling audit reads a slice of the bits, which accumulate until the next clear.
-//! - **In pagemap mode, the target's fault count guards the gap.** Without the tracer, a
-//!   write between reading a page's bit and the clear would be erased unseen. The kernel
-//!   counts every fault of the target's threads before a clear can start (the clear takes
-//!   the mmap lock for writing, a fault holds it for reading), so a count that moved between
-//!   the read and the end of the clear means such a write may have happened: that pass then
-//!   trusts nothing and reads the whole target, after the clear. In ebpf mode the tracer
-//!   sees those writes instead.
+//!   A clear is done once the rehashing it would have spared since the last one costs as
+//!   much as the clear and the reading of every armed page's bit before it (the rent-or-buy
+//!   rule: never more than twice the cost of the better choice made in hindsight), both
+//!   costs measured on the target as it goes ([`Costs`]). A page rewritten every pass costs
+//!   the same either way. Between clears the rolling audit reads a slice of the bits, which
+//!   accumulate until the next clear.
+//! - **The gap between reading the bits and clearing them is guarded.** A write there would
+//!   be erased unseen; it faults (its page was protected), so the tracer records it: ebpf
+//!   mode rehashes what it recorded, and so does pagemap mode, which keeps taking its
+//!   decisions from the kernel's bits but lets the tracer (loaded in every mode, for the
+//!   copy-on-write accounting) name the pages written in the gap. Where the tracer cannot
+//!   vouch for a target (not loaded, not tracking it, records lost), the target's own fault
+//!   count guards the gap: the kernel counts a fault before a clear can start (the clear
+//!   takes the mmap lock for writing, a fault holds it for reading), so a count that moved
+//!   between the read and the end of the clear means such a write may have happened, and
+//!   that pass trusts nothing and reads the whole target, after the clear.
 //!
 //! The bits are one set per process, shared with whoever else clears them. Besides a target
 //! holding a clear_refs open (checked before every clear), a write the tracer saw since
@@ -47,10 +51,40 @@ use crate::{
     },
 };
 
-/// A clear is due once the pages rehashed since the last clear only because they were
-/// unprotected add up to 1/`CLEAR_SHARE` of the armed pages: reading every armed page's bit
-/// and clearing costs about as much as rehashing that share (docs/BENCHMARKS.md, "Kernels").
+/// Until the costs are measured (a target's first passes), a clear is due once the pages
+/// rehashed since the last clear only because they were unprotected add up to
+/// 1/`CLEAR_SHARE` of the armed pages.
 pub const CLEAR_SHARE: u64 = 64;
+
+/// What one target's work costs here, measured as it goes (moving averages, nanoseconds):
+/// the price of a clear, and of not clearing.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Costs {
+    /// Copying out and checksumming one page.
+    rehash: Option<f64>,
+    /// Reading one page's bit from pagemap.
+    bit: Option<f64>,
+    /// One clear.
+    clear: Option<f64>,
+}
+
+impl Costs {
+    fn note(slot: &mut Option<f64>, value: f64) {
+        *slot = Some(slot.map_or(value, |old| 0.75 * old + 0.25 * value));
+    }
+
+    /// Whether rehashing `carried` pages has cost as much as reading `armed` pages' bits and
+    /// clearing; before the costs are known, whether `carried` reached 1/[`CLEAR_SHARE`] of
+    /// `armed`.
+    fn clear_pays(&self, carried: u64, armed: u64) -> bool {
+        match (self.rehash, self.bit, self.clear) {
+            (Some(rehash), Some(bit), Some(clear)) => {
+                carried as f64 * rehash >= armed as f64 * bit + clear
+            }
+            _ => carried >= (armed / CLEAR_SHARE).max(1),
+        }
+    }
+}
 
 /// The size of a transparent huge page.
 const HUGE_PAGE: u64 = 2 << 20;
@@ -119,6 +153,7 @@ pub(crate) struct SoftDirtyArming {
     raced: u64,
     /// Pagemap entries read since the last take.
     bits_read: u64,
+    costs: Costs,
 }
 
 impl SoftDirtyArming {
@@ -135,6 +170,7 @@ impl SoftDirtyArming {
             clear_ns: 0,
             raced: 0,
             bits_read: 0,
+            costs: Costs::default(),
         })
     }
 
@@ -148,9 +184,18 @@ impl SoftDirtyArming {
         (self.clears, self.clear_ns)
     }
 
-    /// Passes (pagemap mode) that read the whole target because a fault raced with a clear.
+    /// Passes (pagemap mode) that read the whole target because a fault raced with a clear
+    /// the tracer could not vouch for.
     pub fn raced(&self) -> u64 {
         self.raced
+    }
+
+    /// What reading and checksumming `pages` pages cost this pass (a pass that read only a
+    /// few says little).
+    pub fn note_rehash_cost(&mut self, ns: u64, pages: u64) {
+        if pages >= 64 {
+            Costs::note(&mut self.costs.rehash, ns as f64 / pages as f64);
+        }
     }
 
     /// Pagemap entries read since the last call.
@@ -159,13 +204,22 @@ impl SoftDirtyArming {
     }
 
     /// `--dirty pagemap`: every armed page's bit, read each pass; a clear when any was set.
-    pub fn pagemap_pass(&mut self, process: &Process, vmas: &[Vma]) -> Result<Found, Stop> {
+    /// `gap`, where the tracer can vouch for the target, takes the pages it recorded
+    /// written since it was last called (None if it cannot vouch): it is called before the
+    /// bits are read and after the clear, and names the writes in between.
+    pub fn pagemap_pass(
+        &mut self,
+        process: &Process,
+        vmas: &[Vma],
+        gap: &mut dyn FnMut() -> Option<HashSet<u64>>,
+    ) -> Result<Found, Stop> {
         let ranges = ranges_of(vmas);
         let armed_before = self.armed.clip_to(vmas);
         if !self.cleared {
             self.clear(process, &ranges)?;
             return Ok(Found::everything());
         }
+        let traced = gap().is_some();
         let faults = minor_faults(process.pid());
         let mut found = Found {
             trusted: armed_before.clone(),
@@ -181,9 +235,15 @@ impl SoftDirtyArming {
             return Ok(found);
         }
         self.clear(process, &ranges)?;
-        if faults.is_none() || minor_faults(process.pid()) != faults {
-            self.raced += 1;
-            found.trusted = RangeSet::default();
+        match gap() {
+            Some(written) if traced => found
+                .written
+                .extend(written.into_iter().filter(|&p| armed_before.contains(p))),
+            _ if faults.is_some() && minor_faults(process.pid()) == faults => {}
+            _ => {
+                self.raced += 1;
+                found.trusted = RangeSet::default();
+            }
         }
         Ok(found)
     }
@@ -241,7 +301,9 @@ impl SoftDirtyArming {
         let carry = self.unprotected.len() as u64 + new.iter().map(Range::pages).sum::<u64>();
         let due = carry > 0
             && (exact
-                || self.carried_since_clear + carry >= (armed_before.pages() / CLEAR_SHARE).max(1));
+                || self
+                    .costs
+                    .clear_pays(self.carried_since_clear + carry, armed_before.pages()));
         found.written.extend(self.unprotected.iter().copied());
         found.written.extend(zeroed);
         if due && !exact {
@@ -275,6 +337,7 @@ impl SoftDirtyArming {
     /// Clears the bits and arms `ranges`.
     fn clear(&mut self, process: &Process, ranges: &[Range]) -> Result<(), Stop> {
         let took = self.bits.clear(process)?;
+        Costs::note(&mut self.costs.clear, took.as_nanos() as f64);
         self.armed = RangeSet::of(ranges);
         self.cleared = true;
         self.unprotected.clear();
@@ -296,8 +359,13 @@ impl SoftDirtyArming {
         if ranges.is_empty() {
             return Ok(());
         }
+        let started = std::time::Instant::now();
         let bits = self.bits.read(ranges)?;
         self.bits_read += bits.entries;
+        if bits.entries >= 512 {
+            let ns = started.elapsed().as_nanos() as f64;
+            Costs::note(&mut self.costs.bit, ns / bits.entries as f64);
+        }
         unseen.extend(
             bits.written
                 .iter()
@@ -352,4 +420,30 @@ fn huge_pages(pid: u32, pages: &[u64]) -> Vec<u64> {
         .collect();
     bases.sort_unstable();
     bases
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_clear_is_due_when_the_rehashing_it_spares_costs_as_much_as_it() {
+        let mut costs = Costs::default();
+        // Before anything is measured: 1/CLEAR_SHARE of the armed pages.
+        assert!(!costs.clear_pays(CLEAR_SHARE - 1, 64 * CLEAR_SHARE));
+        assert!(costs.clear_pays(64, 64 * CLEAR_SHARE));
+        assert!(costs.clear_pays(1, 10), "at least one page");
+        // A rehash costs 20 times a bit; a clear, 1000 bits' worth.
+        Costs::note(&mut costs.rehash, 2000.0);
+        Costs::note(&mut costs.bit, 100.0);
+        Costs::note(&mut costs.clear, 100_000.0);
+        let armed = 10_000;
+        // Clearing: 10,000 bits and the clear, 1.1 ms; rehashing: 550 pages, 1.1 ms.
+        assert!(!costs.clear_pays(549, armed));
+        assert!(costs.clear_pays(550, armed));
+        // Averages move a quarter of the way to each new reading.
+        Costs::note(&mut costs.rehash, 6000.0);
+        assert_eq!(costs.rehash, Some(3000.0));
+        assert!(costs.clear_pays(367, armed) && !costs.clear_pays(366, armed));
+    }
 }
