@@ -21,9 +21,19 @@ struct Run {
 }
 
 impl Run {
+    /// The kernel, and the guest's extra kernel arguments if any.
+    fn kernel(&self) -> String {
+        let append = crate::vm::extra_append();
+        match (self.kernel, append.is_empty()) {
+            (None, _) => "host".into(),
+            (Some(kernel), true) => kernel.name().into(),
+            (Some(kernel), false) => format!("{} ({append})", kernel.name()),
+        }
+    }
+
     fn label(&self) -> String {
-        let kernel = self.kernel.map_or("host", Kernel::name);
-        format!("{kernel}-{}", self.write_protect)
+        let kernel = self.kernel().replace([' ', '(', ')', '='], "-");
+        format!("{}-{}", kernel.trim_end_matches('-'), self.write_protect)
     }
 }
 
@@ -107,9 +117,13 @@ pub fn bench(root: &Path, kernel: &str, repeat: u32, seconds: u32) -> Result<()>
                 r.remove("samples");
             }
         }
-        report["kernel"] = run.kernel.map_or("host", Kernel::name).into();
+        report["kernel"] = run.kernel().into();
         report["write_protect_asked"] = run.write_protect.into();
-        report["command"] = format!("cargo xtask bench --kernel {kernel}").into();
+        report["command"] = match crate::vm::extra_append().as_str() {
+            "" => format!("cargo xtask bench --kernel {kernel} --repeat {repeat} --seconds {seconds}"),
+            append => format!("RKSM_VM_APPEND='{append}' cargo xtask bench --kernel {kernel} --repeat {repeat} --seconds {seconds}"),
+        }
+        .into();
         let path = dir.join(format!("{}.json", run.label()));
         fs::write(&path, serde_json::to_string_pretty(&report)? + "\n")?;
         eprintln!("xtask: wrote {}", path.display());
@@ -169,6 +183,41 @@ fn table(dir: &Path) -> Result<String> {
                     .map_or("-".into(), |ms| format!("{ms:.2}")),
             );
         }
+    }
+    out.push('\n');
+    // What a clear costs, against what rehashing a page costs in the same run.
+    for (_, report) in &reports {
+        let runs = report["runs"].as_array().cloned().unwrap_or_default();
+        let row = |mode: &str| {
+            runs.iter()
+                .find(|r| r["mode"] == mode && r["checksum"] == "xxh64")
+                .cloned()
+        };
+        let (Some(hash), Some(pagemap)) = (row("hash-only"), row("pagemap")) else {
+            continue;
+        };
+        let Some(ms) = pagemap["ms_per_clear"].as_f64() else {
+            continue;
+        };
+        let targets: f64 = pagemap["write_protect"]
+            .as_str()
+            .and_then(|s| s.rsplit(": ").next()?.parse().ok())
+            .unwrap_or(1.0);
+        let armed = pagemap["written_bits_read"].as_f64().unwrap_or(0.0) / targets;
+        let rehash_ns = match (
+            hash["steady_rksm_cpu_per_pass"].as_f64(),
+            hash["pages_hashed"].as_f64(),
+        ) {
+            (Some(cpu), Some(pages)) if pages > 0.0 => cpu * 1e9 / pages,
+            _ => continue,
+        };
+        out += &format!(
+            "- {}: one clear took {ms:.2} ms for a target of {armed:.0} armed pages (the kernel walks its whole address space: {:.0} ns per armed page); a steady hash-only pass cost {rehash_ns:.0} ns of rksm's CPU per page hashed, so one clear costs about as much as rehashing {:.0} pages ({:.1}% of the armed ones).\n",
+            report["kernel"].as_str().unwrap_or("?"),
+            ms * 1e6 / armed.max(1.0),
+            ms * 1e6 / rehash_ns,
+            ms * 1e6 / rehash_ns / armed.max(1.0) * 100.0,
+        );
     }
     Ok(out)
 }

@@ -23,8 +23,9 @@ mod vm;
 
 /// Debian packages of the verified route: rustc 1.96 with LLVM 22, `core` for the bpf
 /// target, and LLVM 22 itself for building bpf-linker.
-/// What the qemu test guests need: the emulator and a kernel to boot.
-const GUEST_PACKAGES: &[&str] = &["qemu-system-x86", "linux-image-amd64"];
+/// What the qemu test guests need: the emulator, a kernel to boot, and the busybox their
+/// initramfs runs.
+const GUEST_PACKAGES: &[&str] = &["qemu-system-x86", "linux-image-amd64", "busybox"];
 
 const DEBIAN_PACKAGES: &[&str] = &[
     "rustc-web",

@@ -520,6 +520,9 @@ fn boot(
     let kvm = kvm_boots();
     let mut cmd = Command::new("qemu-system-x86_64");
     cmd.args(["-accel", if kvm { "kvm" } else { "tcg" }])
+        // The guest's RAM is not offered to the host's ksmd: qemu marks it mergeable unless
+        // told not to, and the host's tests and benchmarks own that ksmd.
+        .args(["-machine", "pc,mem-merge=off"])
         .args(["-cpu", "max", "-m", "4096", "-smp", "2"])
         .args(["-display", "none", "-nodefaults", "-no-reboot"])
         .args(["-serial", "stdio"])
@@ -527,7 +530,10 @@ fn boot(
         .arg(image)
         .arg("-initrd")
         .arg(initrd)
-        .args(["-append", "console=ttyS0 panic=-1 quiet loglevel=3"])
+        .args([
+            "-append",
+            &format!("console=ttyS0 panic=-1 quiet loglevel=3 {}", extra_append()),
+        ])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit());
@@ -571,6 +577,12 @@ fn boot(
         if kvm { "KVM" } else { "TCG" }
     );
     Ok(outcome)
+}
+
+/// Kernel arguments added to the guests' command line from `RKSM_VM_APPEND` (for instance
+/// `transparent_hugepage=never`, to measure without huge pages), or none.
+pub fn extra_append() -> String {
+    env::var("RKSM_VM_APPEND").unwrap_or_default()
 }
 
 /// Whether KVM boots guests here: /dev/kvm opens and the CPU shows virtualization

@@ -70,8 +70,8 @@ enum Arming {
     NotYet,
     /// A userfaultfd registered over its VMAs.
     Userfaultfd(Armed),
-    /// Its soft-dirty bits.
-    SoftDirty(SoftDirtyArming),
+    /// Its soft-dirty bits (boxed: most of what they keep is only for soft-dirty targets).
+    SoftDirty(Box<SoftDirtyArming>),
     /// Nothing offered or allowed works for it: hashed in full.
     Unprotected,
 }
@@ -208,7 +208,7 @@ impl DirtyState {
                     Err(NotArmed::Lasting(why)) => Err(why),
                 },
                 WriteProtect::SoftDirty => match SoftDirtyArming::open(process) {
-                    Ok(bits) => Ok(Arming::SoftDirty(bits)),
+                    Ok(bits) => Ok(Arming::SoftDirty(Box::new(bits))),
                     Err(e) if process.has_exited() => {
                         log::debug!("pid {pid}: {e}");
                         return false;

@@ -15,8 +15,9 @@
 //!   much as the clear and the reading of every armed page's bit before it (the rent-or-buy
 //!   rule: never more than twice the cost of the better choice made in hindsight), both
 //!   costs measured on the target as it goes ([`Costs`]). A page rewritten every pass costs
-//!   the same either way. Between clears the rolling audit reads a slice of the bits, which
-//!   accumulate until the next clear.
+//!   the same either way, so the pages written again in the pass right after a clear are
+//!   *hot*, and do not count toward the next one. Between clears the rolling audit reads a
+//!   slice of the bits, which accumulate until the next clear.
 //! - **The gap between reading the bits and clearing them is guarded.** A write there would
 //!   be erased unseen; it faults (its page was protected), so the tracer records it: ebpf
 //!   mode rehashes what it recorded, and so does pagemap mode, which keeps taking its
@@ -144,8 +145,14 @@ pub(crate) struct SoftDirtyArming {
     cleared: bool,
     /// Pages written since the last clear: writable, so writes to them are not seen.
     unprotected: HashSet<u64>,
-    /// Pages rehashed since the last clear only because they were unprotected or new.
+    /// Pages rehashed since the last clear only because they were unprotected or new, and
+    /// not hot.
     carried_since_clear: u64,
+    /// The unprotected pages the last clear protected, until the next pass says which of
+    /// them came back at once.
+    before_clear: HashSet<u64>,
+    /// Those that did: a clear spares them nothing.
+    hot: HashSet<u64>,
     /// Pages seen mapped to the zero page when their bits were last read.
     zero: RangeSet,
     clears: u64,
@@ -164,6 +171,8 @@ impl SoftDirtyArming {
             armed: RangeSet::default(),
             cleared: false,
             unprotected: HashSet::new(),
+            before_clear: HashSet::new(),
+            hot: HashSet::new(),
             carried_since_clear: 0,
             zero: RangeSet::default(),
             clears: 0,
@@ -297,8 +306,18 @@ impl SoftDirtyArming {
         let mut zeroed = HashSet::new();
         self.look(&slice, &mut zeroed, &mut found.unseen)?;
         self.unprotected.extend(found.unseen.iter().copied());
+        if !self.before_clear.is_empty() {
+            let before = std::mem::take(&mut self.before_clear);
+            self.hot = self
+                .unprotected
+                .iter()
+                .copied()
+                .filter(|p| before.contains(p))
+                .collect();
+        }
         let new = armed_before.minus(&ranges);
-        let carry = self.unprotected.len() as u64 + new.iter().map(Range::pages).sum::<u64>();
+        let cold = self.unprotected.iter().filter(|p| !self.hot.contains(p));
+        let carry = cold.count() as u64 + new.iter().map(Range::pages).sum::<u64>();
         let due = carry > 0
             && (exact
                 || self
@@ -340,7 +359,7 @@ impl SoftDirtyArming {
         Costs::note(&mut self.costs.clear, took.as_nanos() as f64);
         self.armed = RangeSet::of(ranges);
         self.cleared = true;
-        self.unprotected.clear();
+        self.before_clear = std::mem::take(&mut self.unprotected);
         self.carried_since_clear = 0;
         self.clears += 1;
         self.clear_ns += took.as_nanos() as u64;
