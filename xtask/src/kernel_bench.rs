@@ -119,6 +119,7 @@ pub fn bench(root: &Path, kernel: &str, repeat: u32, seconds: u32) -> Result<()>
         }
         report["kernel"] = run.kernel().into();
         report["write_protect_asked"] = run.write_protect.into();
+        report["commit"] = commit(root).into();
         report["command"] = match crate::vm::extra_append().as_str() {
             "" => format!("cargo xtask bench --kernel {kernel} --repeat {repeat} --seconds {seconds}"),
             append => format!("RKSM_VM_APPEND='{append}' cargo xtask bench --kernel {kernel} --repeat {repeat} --seconds {seconds}"),
@@ -130,6 +131,23 @@ pub fn bench(root: &Path, kernel: &str, repeat: u32, seconds: u32) -> Result<()>
     }
     print!("{}", table(&dir)?);
     Ok(())
+}
+
+/// The commit the binaries were built from, `+` if the tree had changes.
+fn commit(root: &Path) -> String {
+    let git = |args: &[&str]| {
+        Command::new("git")
+            .args(args)
+            .current_dir(root)
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_default()
+    };
+    let head = git(&["rev-parse", "--short", "HEAD"]);
+    match git(&["status", "--porcelain", "--untracked-files=no"]).is_empty() {
+        true => head,
+        false => format!("{head}+"),
+    }
 }
 
 /// The kernels table from every report in `dir`.
@@ -150,7 +168,7 @@ fn table(dir: &Path) -> Result<String> {
     }
     reports.sort_by(|a, b| a.0.cmp(&b.0));
     let mut out = String::from(
-        "| kernel | mode | write protection (targets) | pages hashed / steady pass | written bits read / steady pass | rksm CPU / steady pass, vs hash-only | soft-dirty clears in the run | ms per clear |\n|---|---|---|---|---|---|---|---|\n",
+        "| kernel | mode | write protection (targets) | pages hashed / steady pass | written bits read / steady pass | rksm CPU / steady pass, vs hash-only | soft-dirty clears in the run | ms per clear | commit |\n|---|---|---|---|---|---|---|---|---|\n",
     );
     for (_, report) in &reports {
         let runs = report["runs"].as_array().cloned().unwrap_or_default();
@@ -170,7 +188,7 @@ fn table(dir: &Path) -> Result<String> {
                 _ => "-".into(),
             };
             out += &format!(
-                "| {} | {} | {} | {} | {} | {} | {} | {} |\n",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
                 show(&report["kernel"]),
                 show(&r["mode"]),
                 show(&r["write_protect"]),
@@ -181,6 +199,7 @@ fn table(dir: &Path) -> Result<String> {
                 r["ms_per_clear"]
                     .as_f64()
                     .map_or("-".into(), |ms| format!("{ms:.2}")),
+                show(&report["commit"]),
             );
         }
     }

@@ -98,9 +98,10 @@ pub struct PageCounts {
     /// Time spent computing checksums.
     #[serde(skip)]
     pub checksum_ns: u64,
-    /// Time spent copying pages out of the process and checksumming them.
+    /// Time spent on the pages read: looking them up in pagemap, copying them out of the
+    /// process, checksumming and placing them.
     #[serde(skip)]
-    pub read_hash_ns: u64,
+    pub work_ns: u64,
     /// KSM pages (counted once each), as ksmd's `pages_shared`.
     #[serde(skip)]
     pub ksm_pages_shared: u64,
@@ -129,7 +130,7 @@ impl PageCounts {
         self.kpageflags_reads += other.kpageflags_reads;
         self.written_bits_read += other.written_bits_read;
         self.checksum_ns += other.checksum_ns;
-        self.read_hash_ns += other.read_hash_ns;
+        self.work_ns += other.work_ns;
         self.ksm_pages_shared += other.ksm_pages_shared;
         self.ksm_pages_sharing += other.ksm_pages_sharing;
     }
@@ -732,8 +733,10 @@ impl Scanner {
                         return;
                     }
                     turn = which + 1;
-                    if let Some(prepared) = self.prepare_next(&mut scans[which], which, &mut reads)
-                    {
+                    let started = Instant::now();
+                    let prepared = self.prepare_next(&mut scans[which], which, &mut reads);
+                    scans[which].counts.work_ns += started.elapsed().as_nanos() as u64;
+                    if let Some(prepared) = prepared {
                         in_flight.push_back(prepared);
                     }
                 }
@@ -746,10 +749,12 @@ impl Scanner {
                     // Its scan failed since it was prepared: nothing of it is placed.
                     Some(done) if scan.error.is_some() => self.spare_batches.push(done.bytes),
                     Some(done) => {
+                        let started = Instant::now();
                         if let Err(e) = self.place(scan, prepared, done) {
                             scan.error = Some(e);
                             scan.steps.clear();
                         }
+                        scan.counts.work_ns += started.elapsed().as_nanos() as u64;
                     }
                     None => {
                         scan.error =
@@ -1069,7 +1074,7 @@ impl Scanner {
         scan.target.dirty.note_misses(pid, scan.misses);
         scan.target
             .dirty
-            .note_rehash_cost(counts.read_hash_ns, counts.pages_hashed);
+            .note_rehash_cost(counts.work_ns, counts.pages_hashed);
         Ok(counts)
     }
 
@@ -1230,7 +1235,7 @@ impl Scanner {
         let pid = open.pid;
         let kind = self.config.checksum;
         counts.checksum_ns += checksum_ns;
-        counts.read_hash_ns += read_hash_ns;
+        counts.work_ns += read_hash_ns;
         counts.pages_hashed += fresh.iter().filter(|&&c| c != NO_CHECKSUM).count() as u64;
 
         let index = self

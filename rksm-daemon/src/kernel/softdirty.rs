@@ -207,7 +207,9 @@ impl SoftDirty {
     /// mapped to the zero page.
     pub fn read(&self, ranges: &[Range]) -> Result<Bits, SoftDirtyError> {
         let mut bits = Bits::default();
-        let mut entries = vec![PagemapEntry(0); READ_ENTRIES];
+        // As many entries as asked for, up to a batch: an audit's slice is small.
+        let asked: u64 = ranges.iter().map(Range::pages).sum();
+        let mut entries = vec![PagemapEntry(0); (asked as usize).min(READ_ENTRIES)];
         for range in ranges {
             let mut at = range.start;
             while at < range.end {

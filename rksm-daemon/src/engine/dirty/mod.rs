@@ -146,8 +146,8 @@ impl DirtyState {
         }
     }
 
-    /// What reading and checksumming `pages` pages of the target cost this pass, which
-    /// soft-dirty weighs against a clear.
+    /// What looking up, reading, checksumming and placing `pages` pages of the target cost
+    /// this pass, which soft-dirty weighs against a clear.
     pub(crate) fn note_rehash_cost(&mut self, ns: u64, pages: u64) {
         if let Arming::SoftDirty(bits) = &mut self.arming {
             bits.note_rehash_cost(ns, pages);

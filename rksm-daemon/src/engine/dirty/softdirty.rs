@@ -61,7 +61,7 @@ pub const CLEAR_SHARE: u64 = 64;
 /// the price of a clear, and of not clearing.
 #[derive(Debug, Default, Clone, Copy)]
 pub(crate) struct Costs {
-    /// Copying out and checksumming one page.
+    /// Rehashing one page: looking it up, copying it out, checksumming and placing it.
     rehash: Option<f64>,
     /// Reading one page's bit from pagemap.
     bit: Option<f64>,
@@ -199,8 +199,7 @@ impl SoftDirtyArming {
         self.raced
     }
 
-    /// What reading and checksumming `pages` pages cost this pass (a pass that read only a
-    /// few says little).
+    /// What rehashing `pages` pages cost this pass (a pass that read only a few says little).
     pub fn note_rehash_cost(&mut self, ns: u64, pages: u64) {
         if pages >= 64 {
             Costs::note(&mut self.costs.rehash, ns as f64 / pages as f64);
