@@ -72,6 +72,9 @@ fn runs(kernel: &str) -> Result<Vec<Run>> {
 pub fn bench(root: &Path, kernel: &str, repeat: u32, seconds: u32) -> Result<()> {
     let dir = root.join("docs/bench-kernels");
     fs::create_dir_all(&dir)?;
+    // The binaries were built just now: the tree as it is now is what they were built from,
+    // whatever changes during the runs.
+    let built_from = commit(root);
     for run in runs(kernel)? {
         let mut args: Vec<String> = [
             "--no-config",
@@ -119,7 +122,7 @@ pub fn bench(root: &Path, kernel: &str, repeat: u32, seconds: u32) -> Result<()>
         }
         report["kernel"] = run.kernel().into();
         report["write_protect_asked"] = run.write_protect.into();
-        report["commit"] = commit(root).into();
+        report["commit"] = built_from.as_str().into();
         report["command"] = match crate::vm::extra_append().as_str() {
             "" => format!("cargo xtask bench --kernel {kernel} --repeat {repeat} --seconds {seconds}"),
             append => format!("RKSM_VM_APPEND='{append}' cargo xtask bench --kernel {kernel} --repeat {repeat} --seconds {seconds}"),
