@@ -379,6 +379,30 @@ fn a_large_pass_reads_on_reader_threads_or_on_one_cpu_in_line_and_merges_the_sam
 }
 
 #[test]
+fn a_thread_with_a_seccomp_filter_of_its_own_is_never_borrowed() {
+    require_root();
+    let _turn = ksm_turn();
+    let mut pair = twins(2, 32, 61);
+    // A worker that dies on madvise, running: the thread a borrow would otherwise prefer.
+    pair[0].0.command("seccompworker");
+    let regions: Vec<(u32, Region, u64)> = pair.iter().map(|(c, r)| (c.pid(), *r, 32)).collect();
+    let mut daemon = daemon_over(&regions, DirtyMode::Pagemap);
+    let merged = passes_until(&mut daemon, || {
+        pair.iter()
+            .all(|(c, r)| ksm_pages(c.pid(), *r, 32).len() == 32)
+    });
+    let stats = daemon.finish();
+    assert!(merged, "not merged: {stats:?}");
+    assert!(stats.targets_refused.is_empty(), "{stats:?}");
+    for (child, region) in &mut pair {
+        assert!(
+            child.verify(*region, 0, 32, 61),
+            "the process died or changed"
+        );
+    }
+}
+
+#[test]
 fn traced_and_seccomp_targets_are_refused_and_left_alone() {
     require_root();
     let _turn = ksm_turn();

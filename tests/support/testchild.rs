@@ -43,9 +43,12 @@
 //!   dumpable (`PR_SET_DUMPABLE` 1, which a uid change resets).
 //! - `mergeable ID` → `ok`: marks region ID `MADV_MERGEABLE` itself, as qemu marks its RAM.
 //! - `nodump` → `ok`: `prctl(PR_SET_DUMPABLE, 0)`, as ssh-agent does.
+//! - `name NAME` → `ok`: its command name (`/proc/PID/comm`) becomes NAME.
 //! - `setids` → `ok`: sets its effective uid to nobody's, keeping real and saved (as a set-uid
 //!   program's ids differ).
 //! - `seccomp` → `ok`: installs a seccomp filter that allows everything.
+//! - `seccompworker` → `ok`: starts a thread that installs a filter of its own, killing the
+//!   process on `madvise`, then spins (running, so the least disturbed thread to borrow).
 //! - `uffd ID` → `ok`: registers the (fully written) region with a userfaultfd of its own,
 //!   as a process using userfaultfd for itself would.
 //! - `verify ID FIRST COUNT SEED` → `ok` or `mismatch PAGE`: checks contents are intact.
@@ -521,6 +524,15 @@ fn run(line: &str, regions: &mut Vec<Region>) -> Result<String, String> {
             }
             Ok("ok".into())
         }
+        Some("name") => {
+            let name = std::ffi::CString::new(words.get(1).copied().unwrap_or(""))
+                .map_err(|e| e.to_string())?;
+            // SAFETY: PR_SET_NAME reads a NUL-terminated string (up to 16 bytes).
+            match unsafe { libc::prctl(libc::PR_SET_NAME, name.as_ptr(), 0, 0, 0) } {
+                0 => Ok("ok".into()),
+                _ => Err(format!("prctl: {}", io::Error::last_os_error())),
+            }
+        }
         Some("nodump") => {
             // SAFETY: prctl with integer arguments.
             match unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } {
@@ -598,6 +610,61 @@ fn run(line: &str, regions: &mut Vec<Region>) -> Result<String, String> {
                 return Err(format!("seccomp: {}", io::Error::last_os_error()));
             }
             Ok("ok".into())
+        }
+        Some("seccompworker") => {
+            let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                let filter = [
+                    // The system call number.
+                    libc::sock_filter {
+                        code: (libc::BPF_LD | libc::BPF_W | libc::BPF_ABS) as u16,
+                        jt: 0,
+                        jf: 0,
+                        k: 0,
+                    },
+                    libc::sock_filter {
+                        code: (libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K) as u16,
+                        jt: 0,
+                        jf: 1,
+                        k: libc::SYS_madvise as u32,
+                    },
+                    libc::sock_filter {
+                        code: (libc::BPF_RET | libc::BPF_K) as u16,
+                        jt: 0,
+                        jf: 0,
+                        k: libc::SECCOMP_RET_KILL_PROCESS,
+                    },
+                    libc::sock_filter {
+                        code: (libc::BPF_RET | libc::BPF_K) as u16,
+                        jt: 0,
+                        jf: 0,
+                        k: libc::SECCOMP_RET_ALLOW,
+                    },
+                ];
+                let prog = libc::sock_fprog {
+                    len: filter.len() as u16,
+                    filter: filter.as_ptr().cast_mut(),
+                };
+                // SAFETY: prctl with a valid filter program that outlives the call; it
+                // applies to this thread only (no TSYNC).
+                let rc = unsafe {
+                    libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
+                    libc::prctl(
+                        libc::PR_SET_SECCOMP,
+                        libc::SECCOMP_MODE_FILTER,
+                        &prog as *const libc::sock_fprog,
+                    )
+                };
+                let _ = ready_tx.send(rc);
+                let spins = std::sync::atomic::AtomicU64::new(0);
+                loop {
+                    spins.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            });
+            match ready_rx.recv() {
+                Ok(0) => Ok("ok".into()),
+                _ => Err(format!("seccomp: {}", io::Error::last_os_error())),
+            }
         }
         Some("read") => {
             let r = region(num(1)?)?;

@@ -49,6 +49,10 @@ pub struct EstimateArgs {
 }
 
 pub fn run(args: EstimateArgs) -> anyhow::Result<()> {
+    // Each process read holds files open; the hard limit is what the user allows.
+    if let Err(e) = rksm::kernel::limits::raise_open_files() {
+        log::debug!("open files: the soft limit could not be raised: {e}");
+    }
     let selection = args.targets.resolve()?;
     if selection.processes.is_empty() {
         return Err(BadInput("no process matches the given targets".into()).into());
@@ -87,6 +91,12 @@ pub fn run(args: EstimateArgs) -> anyhow::Result<()> {
         }
         for pid in &report.exited {
             log::info!("pid {pid} exited during pass {pass}; its pages are not counted");
+        }
+        if !report.short_of_files.is_empty() {
+            log::warn!(
+                "{} process(es) could not be scanned in pass {pass}: out of file descriptors (raise `ulimit -n`); their pages are not counted",
+                report.short_of_files.len()
+            );
         }
     }
     let mut out = io::stdout().lock();

@@ -49,12 +49,16 @@ use crate::{
     },
     kernel::{
         ksmd::{self, KsmdError, KsmdOwner},
+        limits,
         process::{Process, ProcessId},
         procfs::{self, ProcfsError},
         ranges::{page_runs, Range},
         remote::{self, RemoteError, RemoteRefusal},
     },
 };
+
+/// How often, at most, running out of file descriptors is warned about while it lasts.
+const SHORT_OF_FILES_WARN_EVERY: Duration = Duration::from_secs(60);
 
 /// How often, at most, the daemon drains the tracer's ring between passes.
 pub const DRAIN_EVERY: Duration = Duration::from_millis(100);
@@ -217,6 +221,10 @@ pub struct DaemonStats {
     pub cross_domain_check_ns: u64,
     /// Targets refused, by reason.
     pub targets_refused: BTreeMap<String, u64>,
+    /// Processes and targets left for a pass because rksm had no file descriptor left
+    /// (EMFILE, ENFILE); each is taken up again the next pass.
+    #[serde(default)]
+    pub short_of_files: u64,
     /// The dirty mode in use.
     pub dirty_mode: String,
     /// Current targets by write-protect source (`userfaultfd`, `soft-dirty`, `none`).
@@ -376,6 +384,8 @@ pub struct Daemon {
     stopping: bool,
     /// Outsiders already warned about.
     outsiders_seen: HashSet<ProcessId>,
+    /// When running out of file descriptors was last warned about.
+    warned_short_of_files: Option<Instant>,
     /// Outsiders of another domain with mergeable memory, as of this pass.
     outsiders: Vec<domains::Outsider>,
     /// What the last look for frames across domains was taken over.
@@ -400,6 +410,24 @@ impl Daemon {
     /// Resolves the targets, picks the dirty mode, and takes ksmd over (with the host's
     /// one-daemon lock, which [`KsmdOwner`] holds for as long as it owns ksmd).
     pub fn start(config: DaemonConfig) -> Result<Daemon, DaemonError> {
+        match limits::raise_open_files() {
+            Ok(limit) if limit.now > limit.was => log::info!(
+                "open files: soft limit raised from {} to the hard limit, {}",
+                limit.was,
+                limit.now
+            ),
+            Ok(_) => {}
+            Err(e) => log::warn!("open files: the soft limit could not be raised: {e}"),
+        }
+        // The tracer's files first: the targets' must not leave it none.
+        let tracer = match Tracer::load(TracerConfig::default()) {
+            Ok(tracer) => Some(tracer),
+            Err(e) if config.dirty == DirtyMode::Ebpf => return Err(e.into()),
+            Err(e) => {
+                log::info!("eBPF tracer unavailable ({e}); no copy-on-write accounting");
+                None
+            }
+        };
         let selection = config.targets.resolve()?;
         let ksmd = KsmdOwner::take(
             &config.ksm_root,
@@ -410,14 +438,6 @@ impl Daemon {
                 config.ksmd_sleep_millisecs,
             ),
         )?;
-        let tracer = match Tracer::load(TracerConfig::default()) {
-            Ok(tracer) => Some(tracer),
-            Err(e) if config.dirty == DirtyMode::Ebpf => return Err(e.into()),
-            Err(e) => {
-                log::info!("eBPF tracer unavailable ({e}); no copy-on-write accounting");
-                None
-            }
-        };
         let recorder = tracer.map(|t| Rc::new(RefCell::new(Recorder::new(t))));
         let offer = Offer::probe(config.write_protect);
         offer.check()?;
@@ -506,6 +526,7 @@ impl Daemon {
             borrows_at_start: remote::borrows(),
             stopping: false,
             outsiders_seen: HashSet::new(),
+            warned_short_of_files: None,
             outsiders: Vec::new(),
             crossings_looked_at: None,
             self_marked_warned: HashSet::new(),
@@ -621,9 +642,16 @@ impl Daemon {
 
     /// Adopts the processes not yet targets and not refused: each gets its record.
     fn adopt(&mut self, processes: Vec<Process>) {
+        let mut short = 0;
         for process in processes {
             let pid = process.pid();
             if self.targets.contains_key(&pid) || self.refusals.lasting(process.id()) {
+                continue;
+            }
+            // A target holds its pidfd for as long as it lives; the files a pass needs come
+            // first.
+            if !limits::room_for(process.pidfd(), limits::PASS_RESERVE) {
+                short += 1;
                 continue;
             }
             let Some(name) = self.config.domain.domain_of(pid) else {
@@ -646,6 +674,9 @@ impl Daemon {
             }
             self.targets.insert(pid, target);
         }
+        if short > 0 {
+            self.short_of_files(short, "new process(es) not adopted");
+        }
     }
 
     /// Drops `pid`'s record, and with it everything kept about the process.
@@ -659,6 +690,23 @@ impl Daemon {
         }
         if self.domains.leave(target.domain_name(), &target.owned) {
             self.scanner.forget_domain(target.domain());
+        }
+    }
+
+    /// Counts `n` processes or targets left for this pass for want of file descriptors, and
+    /// says so: at once, then at most once a minute while it lasts.
+    fn short_of_files(&mut self, n: usize, what: &str) {
+        self.stats.short_of_files += n as u64;
+        let now = Instant::now();
+        if self
+            .warned_short_of_files
+            .is_none_or(|at| now.duration_since(at) >= SHORT_OF_FILES_WARN_EVERY)
+        {
+            self.warned_short_of_files = Some(now);
+            log::warn!(
+                "out of file descriptors (limit {}): {n} {what}; tried again every pass; raise the hard limit (LimitNOFILE)",
+                limits::open_files_limit()
+            );
         }
     }
 
@@ -724,8 +772,16 @@ impl Daemon {
         }
         self.follow_the_processes();
         self.refusals.prune();
-        match self.config.targets.resolve_again() {
+        let known: HashSet<u32> = self.targets.keys().copied().collect();
+        match self
+            .config
+            .targets
+            .resolve_again(&|pid| known.contains(&pid))
+        {
             Ok(selection) => {
+                if selection.short_of_files > 0 {
+                    self.short_of_files(selection.short_of_files, "new process(es) not looked at");
+                }
                 for (pid, _, reason) in &selection.refused {
                     if let Some(id) = ProcessId::of(*pid) {
                         if !self.refusals.lasting(id) {
@@ -858,6 +914,21 @@ impl Daemon {
             if let Some(id) = self.targets.get(pid).map(Target::id) {
                 self.count_refusal(id, "unreadable", &format!("cannot read its memory: {why}"));
             }
+        }
+        if !report.short_of_files.is_empty() {
+            self.short_of_files(report.short_of_files.len(), "target(s) not read");
+        }
+        let unprotected = self
+            .targets
+            .values_mut()
+            .map(|t| t.dirty.take_short_of_files())
+            .filter(|&short| short)
+            .count();
+        if unprotected > 0 {
+            self.short_of_files(
+                unprotected,
+                "target(s) not write-protected (hashed in full)",
+            );
         }
     }
 

@@ -36,6 +36,7 @@ use crate::{
         target::Target,
     },
     kernel::{
+        limits,
         procfs::{self, KpageFlags, Pagemap, PagemapEntry, ProcfsError, Vma},
         ranges::{page_runs, Range, RangeSet},
         reader::{self, ProcMem, ReaderError},
@@ -163,6 +164,8 @@ pub struct PassReport {
     pub exited: Vec<u32>,
     /// Processes that could not be scanned, with the reason.
     pub failed: Vec<(u32, String)>,
+    /// Processes left for this pass because rksm had no file descriptor left.
+    pub short_of_files: Vec<u32>,
     /// Wall time of the pass.
     pub seconds: f64,
     /// Per process, the pages whose content was verified equal to another page's, with the
@@ -274,12 +277,17 @@ impl RecentBatches {
 enum ProcessScanError {
     Gone,
     Failed(String),
+    /// rksm had no file descriptor left: the process is read again next pass.
+    ShortOfFiles,
 }
 
 impl From<ProcfsError> for ProcessScanError {
     fn from(e: ProcfsError) -> Self {
         match e {
             ProcfsError::Gone(_) => ProcessScanError::Gone,
+            ProcfsError::Io { source, .. } if limits::out_of_files(&source) => {
+                ProcessScanError::ShortOfFiles
+            }
             other => ProcessScanError::Failed(other.to_string()),
         }
     }
@@ -289,6 +297,10 @@ impl From<ReaderError> for ProcessScanError {
     fn from(e: ReaderError) -> Self {
         match e {
             ReaderError::Gone(_) => ProcessScanError::Gone,
+            ReaderError::Denied {
+                errno: nix::errno::Errno::EMFILE | nix::errno::Errno::ENFILE,
+                ..
+            } => ProcessScanError::ShortOfFiles,
             other => ProcessScanError::Failed(other.to_string()),
         }
     }
@@ -451,6 +463,9 @@ fn read_and_hash(job: ReadJob, kind: ChecksumKind) -> ReadDone {
 /// not kept waiting by one costly placement (two were slower than four; eight too, their
 /// buffers no longer in the cache).
 const READ_AHEAD_CHUNKS: usize = 4;
+/// Targets read side by side, at most: each holds its pagemap and mem files open while it
+/// is read, so this bounds what a pass adds to the files rksm holds.
+const SCAN_GROUP: usize = 64;
 
 /// Reader threads of a large pass.
 const READERS: usize = 2;
@@ -693,105 +708,114 @@ impl Scanner {
                 }
                 Err(ProcessScanError::Gone) => report.exited.push(pid),
                 Err(ProcessScanError::Failed(why)) => report.failed.push((pid, why)),
+                Err(ProcessScanError::ShortOfFiles) => report.short_of_files.push(pid),
             }
         }
         for (target, work) in &mut plans {
             work.released = self.release_held(target);
         }
         let pages_total = plans.iter().map(|(_, w)| w.pages()).sum();
-        let mut scans: Vec<InProgress<'_>> = plans
-            .into_iter()
-            .map(|(target, work)| self.begin(target, work))
-            .collect();
-        // The targets are read side by side, a chunk of each in turn: workers of one program
-        // hold their copies of a content at about the same place, so the representative a
-        // copy is compared with is still in the index's cache when the next copies come. One
-        // chunk is read while the one before it is placed.
-        let kind = self.config.checksum;
-        thread::scope(|scope| {
-            let mut reads = match pages_total >= READ_AHEAD_PAGES && self.cpus > 1 {
-                true => Reads::threads(scope, kind, READERS),
-                false => Reads::in_line(kind),
-            };
-            // Read in line, each chunk is placed as soon as it is read.
-            let ahead = match reads {
-                Reads::InLine { .. } => 1,
-                Reads::Threads { .. } => READ_AHEAD_CHUNKS,
-            };
-            let mut in_flight: VecDeque<Prepared> = VecDeque::new();
-            let mut turn = 0;
-            loop {
-                while in_flight.len() < ahead {
-                    let Some(which) = (0..scans.len())
-                        .map(|k| (turn + k) % scans.len())
-                        .find(|&k| !scans[k].steps.is_empty())
-                    else {
+        let mut pages_before = 0;
+        let mut plans = plans.into_iter().peekable();
+        // A group of targets at a time: each one being read holds two files open.
+        while plans.peek().is_some() && !report.stopped {
+            let mut scans: Vec<InProgress<'_>> = plans
+                .by_ref()
+                .take(SCAN_GROUP)
+                .map(|(target, work)| self.begin(target, work))
+                .collect();
+            // The targets are read side by side, a chunk of each in turn: workers of one program
+            // hold their copies of a content at about the same place, so the representative a
+            // copy is compared with is still in the index's cache when the next copies come. One
+            // chunk is read while the one before it is placed.
+            let kind = self.config.checksum;
+            thread::scope(|scope| {
+                let mut reads = match pages_total >= READ_AHEAD_PAGES && self.cpus > 1 {
+                    true => Reads::threads(scope, kind, READERS),
+                    false => Reads::in_line(kind),
+                };
+                // Read in line, each chunk is placed as soon as it is read.
+                let ahead = match reads {
+                    Reads::InLine { .. } => 1,
+                    Reads::Threads { .. } => READ_AHEAD_CHUNKS,
+                };
+                let mut in_flight: VecDeque<Prepared> = VecDeque::new();
+                let mut turn = 0;
+                loop {
+                    while in_flight.len() < ahead {
+                        let Some(which) = (0..scans.len())
+                            .map(|k| (turn + k) % scans.len())
+                            .find(|&k| !scans[k].steps.is_empty())
+                        else {
+                            break;
+                        };
+                        if self.stop.as_ref().is_some_and(|stop| stop()) {
+                            report.stopped = true;
+                            return;
+                        }
+                        turn = which + 1;
+                        let started = Instant::now();
+                        let prepared = self.prepare_next(&mut scans[which], which, &mut reads);
+                        scans[which].counts.work_ns += started.elapsed().as_nanos() as u64;
+                        if let Some(prepared) = prepared {
+                            in_flight.push_back(prepared);
+                        }
+                    }
+                    let Some(prepared) = in_flight.pop_front() else {
                         break;
                     };
-                    if self.stop.as_ref().is_some_and(|stop| stop()) {
-                        report.stopped = true;
-                        return;
-                    }
-                    turn = which + 1;
-                    let started = Instant::now();
-                    let prepared = self.prepare_next(&mut scans[which], which, &mut reads);
-                    scans[which].counts.work_ns += started.elapsed().as_nanos() as u64;
-                    if let Some(prepared) = prepared {
-                        in_flight.push_back(prepared);
-                    }
-                }
-                let Some(prepared) = in_flight.pop_front() else {
-                    break;
-                };
-                let scan = &mut scans[prepared.scan];
-                let weight = prepared.step.weight;
-                match reads.next() {
-                    // Its scan failed since it was prepared: nothing of it is placed.
-                    Some(done) if scan.error.is_some() => self.spare_batches.push(done.bytes),
-                    Some(done) => {
-                        let started = Instant::now();
-                        if let Err(e) = self.place(scan, prepared, done) {
-                            scan.error = Some(e);
+                    let scan = &mut scans[prepared.scan];
+                    let weight = prepared.step.weight;
+                    match reads.next() {
+                        // Its scan failed since it was prepared: nothing of it is placed.
+                        Some(done) if scan.error.is_some() => self.spare_batches.push(done.bytes),
+                        Some(done) => {
+                            let started = Instant::now();
+                            if let Err(e) = self.place(scan, prepared, done) {
+                                scan.error = Some(e);
+                                scan.steps.clear();
+                            }
+                            scan.counts.work_ns += started.elapsed().as_nanos() as u64;
+                        }
+                        None => {
+                            scan.error =
+                                Some(ProcessScanError::Failed("the reader thread ended".into()));
                             scan.steps.clear();
                         }
-                        scan.counts.work_ns += started.elapsed().as_nanos() as u64;
                     }
-                    None => {
-                        scan.error =
-                            Some(ProcessScanError::Failed("the reader thread ended".into()));
-                        scan.steps.clear();
-                    }
-                }
-                scan.done += weight;
-                progress(Progress {
-                    pages_done: scans_done(&scans),
-                    pages_total,
-                });
-            }
-        });
-        for mut scan in scans {
-            if report.stopped {
-                break;
-            }
-            let pid = scan.target.pid();
-            let result = Self::finish(&mut scan);
-            if result.is_err() {
-                // Half-placed: it starts over next pass.
-                self.forget(scan.target);
-            }
-            match result {
-                // Exited while being scanned: what was counted may be missing pages.
-                Ok(_) if scan.target.process().has_exited() => report.exited.push(pid),
-                Ok(counts) => {
-                    report.total.add(&counts);
-                    report.processes.push(ProcessCounts {
-                        pid,
-                        comm: scan.target.process().comm().to_string(),
-                        counts,
+                    scan.done += weight;
+                    progress(Progress {
+                        pages_done: pages_before + scans_done(&scans),
+                        pages_total,
                     });
                 }
-                Err(ProcessScanError::Gone) => report.exited.push(pid),
-                Err(ProcessScanError::Failed(why)) => report.failed.push((pid, why)),
+            });
+            pages_before += scans_done(&scans);
+            for mut scan in scans {
+                if report.stopped {
+                    break;
+                }
+                let pid = scan.target.pid();
+                let result = Self::finish(&mut scan);
+                if result.is_err() {
+                    // Half-placed: it starts over next pass.
+                    self.forget(scan.target);
+                }
+                match result {
+                    // Exited while being scanned: what was counted may be missing pages.
+                    Ok(_) if scan.target.process().has_exited() => report.exited.push(pid),
+                    Ok(counts) => {
+                        report.total.add(&counts);
+                        report.processes.push(ProcessCounts {
+                            pid,
+                            comm: scan.target.process().comm().to_string(),
+                            counts,
+                        });
+                    }
+                    Err(ProcessScanError::Gone) => report.exited.push(pid),
+                    Err(ProcessScanError::Failed(why)) => report.failed.push((pid, why)),
+                    Err(ProcessScanError::ShortOfFiles) => report.short_of_files.push(pid),
+                }
             }
         }
         if self.config.report_top {

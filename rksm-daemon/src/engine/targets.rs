@@ -14,6 +14,7 @@ use std::{
 use regex::Regex;
 
 use crate::kernel::{
+    limits,
     process::{Process, RefusalReason, TargetError},
     procfs::stat_field,
 };
@@ -66,6 +67,9 @@ pub struct Selection {
     pub processes: Vec<Process>,
     /// Processes matched by a selector but refused.
     pub refused: Vec<(u32, String, RefusalReason)>,
+    /// Processes not looked at because rksm had no file descriptor left: they are looked at
+    /// again next time.
+    pub short_of_files: usize,
 }
 
 impl TargetSpec {
@@ -82,22 +86,31 @@ impl TargetSpec {
     /// cgroup, a name or --all that are refused (kernel threads, rksm itself) are listed in
     /// [`Selection::refused`]; processes that exit while being looked at are skipped.
     pub fn resolve(&self) -> Result<Selection, SelectionError> {
-        self.resolve_with(true)
+        self.resolve_with(true, &|_| false)
     }
 
     /// Like [`TargetSpec::resolve`], but explicit pids that no longer exist or are refused
-    /// are skipped: for the daemon's later passes, when processes come and go.
-    pub fn resolve_again(&self) -> Result<Selection, SelectionError> {
-        self.resolve_with(false)
+    /// are skipped, and so are the pids `known` already holds (nothing is opened for them):
+    /// for the daemon's later passes, when processes come and go.
+    pub fn resolve_again(&self, known: &dyn Fn(u32) -> bool) -> Result<Selection, SelectionError> {
+        self.resolve_with(false, known)
     }
 
-    fn resolve_with(&self, strict: bool) -> Result<Selection, SelectionError> {
+    fn resolve_with(
+        &self,
+        strict: bool,
+        known: &dyn Fn(u32) -> bool,
+    ) -> Result<Selection, SelectionError> {
         if self.is_empty() {
             return Err(SelectionError::Empty);
         }
         let mut selection = Selection::default();
         let mut seen = BTreeSet::new();
         for &pid in &self.pids {
+            if known(pid) {
+                seen.insert(pid);
+                continue;
+            }
             match Process::open(pid) {
                 Ok(process) => {
                     if seen.insert(process.pid()) {
@@ -105,6 +118,9 @@ impl TargetSpec {
                     }
                 }
                 Err(e) if strict => return Err(e.into()),
+                Err(TargetError::Io { source, .. }) if limits::out_of_files(&source) => {
+                    selection.short_of_files += 1;
+                }
                 Err(TargetError::Refused { pid, comm, reason }) => {
                     if seen.insert(pid) {
                         selection.refused.push((pid, comm, reason));
@@ -130,7 +146,7 @@ impl TargetSpec {
                 || self.comm.as_ref().is_some_and(|re| re.is_match(comm))
         };
         for pid in candidates {
-            if seen.contains(&pid) {
+            if seen.contains(&pid) || known(pid) {
                 continue;
             }
             match Process::open(pid) {
@@ -146,6 +162,9 @@ impl TargetSpec {
                     if wanted(pid, &comm) && seen.insert(pid) {
                         selection.refused.push((pid, comm, reason));
                     }
+                }
+                Err(TargetError::Io { source, .. }) if limits::out_of_files(&source) => {
+                    selection.short_of_files += 1;
                 }
                 Err(_) => {} // exited or unreadable while we looked
             }

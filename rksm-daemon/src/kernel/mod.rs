@@ -3,6 +3,7 @@
 
 pub mod caps;
 pub mod ksmd;
+pub mod limits;
 pub mod process;
 pub mod procfs;
 pub mod ranges;

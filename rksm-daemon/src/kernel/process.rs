@@ -121,7 +121,7 @@ pub struct Process {
     comm: String,
     start_ticks: u64,
     pidfd: OwnedFd,
-    image_at_open: Option<(u64, u64, u64)>,
+    image_at_open: Option<Image>,
 }
 
 impl Process {
@@ -189,16 +189,24 @@ impl Process {
         Duration::from_secs_f64((uptime_seconds() - started).max(0.0))
     }
 
-    /// Identifies the process's current address space: the executable's inode and where its
+    /// Identifies the process's current address space: the executable's path and where its
     /// code and stack start (randomised by every exec). When it changes, the process has
-    /// exec'd, and everything rksm knew about its memory is void.
-    pub fn image(&self) -> Option<(u64, u64, u64)> {
-        use std::os::unix::fs::MetadataExt;
-        let exe = fs::metadata(format!("/proc/{}/exe", self.pid)).ok()?.ino();
+    /// exec'd, and everything rksm knew about its memory is void. Nothing here touches the
+    /// executable's file system: reading the link is /proc's own (a `stat` of it would wait
+    /// on a FUSE or NFS server that stopped answering).
+    pub fn image(&self) -> Option<Image> {
+        let exe = fs::read_link(format!("/proc/{}/exe", self.pid)).ok()?;
+        // An executable replaced on disk (a package upgrade) is the same image.
+        let exe = exe.to_string_lossy();
+        let exe = exe.strip_suffix(" (deleted)").unwrap_or(&exe).to_string();
         let stat = fs::read_to_string(format!("/proc/{}/stat", self.pid)).ok()?;
         let start_code = stat_field(&stat, 26)?.parse().ok()?;
         let start_stack = stat_field(&stat, 28)?.parse().ok()?;
-        Some((exe, start_code, start_stack))
+        Some(Image {
+            exe,
+            start_code,
+            start_stack,
+        })
     }
 
     /// True if the process has executed a new program since it was opened (or has exited):
@@ -228,6 +236,14 @@ impl Process {
         poll(&mut fds, PollTimeout::ZERO).is_ok_and(|n| n > 0)
             && fds[0].revents().is_some_and(|r| !r.is_empty())
     }
+}
+
+/// What a process runs: see [`Process::image`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Image {
+    exe: String,
+    start_code: u64,
+    start_stack: u64,
 }
 
 /// What a process is now ([`Process::standing`]).

@@ -366,21 +366,31 @@ pub(crate) fn disturbance(state: char, syscall: &str) -> Option<u8> {
 }
 
 /// The thread to borrow: the least disturbed (see [`disturbance`]), the main thread first
-/// among equals. `UninterruptibleSleep` if none can be borrowed now.
+/// among equals. Seccomp filters are per thread: one with a filter of its own is never
+/// chosen, since the filter could kill the process for the injected call. `Seccomp` if every
+/// thread has one, `UninterruptibleSleep` if none can be borrowed now.
 fn choose_thread(pid: u32) -> Result<Pid, RemoteError> {
     let tasks = fs::read_dir(format!("/proc/{pid}/task")).map_err(|_| RemoteError::Gone(pid))?;
     let mut best: Option<(u8, bool, i32)> = None;
+    let (mut filtered, mut seen) = (0, 0);
     for tid in tasks
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
     {
         let dir = format!("/proc/{pid}/task/{tid}");
-        let (Ok(stat), Ok(syscall)) = (
+        let (Ok(stat), Ok(syscall), Ok(status)) = (
             fs::read_to_string(format!("{dir}/stat")),
             fs::read_to_string(format!("{dir}/syscall")),
+            fs::read_to_string(format!("{dir}/status")),
         ) else {
             continue;
         };
+        seen += 1;
+        // Unparsable counts as filtered: when in doubt, the thread is left alone.
+        if BorrowStatus::parse(&status).is_none_or(|s| s.seccomp != 0) {
+            filtered += 1;
+            continue;
+        }
         let Some(state) = procfs::stat_field(&stat, 3).and_then(|s| s.chars().next()) else {
             continue;
         };
@@ -391,20 +401,23 @@ fn choose_thread(pid: u32) -> Result<Pid, RemoteError> {
             }
         }
     }
+    let reason = match filtered {
+        n if n > 0 && n == seen => RemoteRefusal::Seccomp,
+        _ => RemoteRefusal::UninterruptibleSleep,
+    };
     best.map(|(.., tid)| Pid::from_raw(tid))
-        .ok_or(RemoteError::Refused {
-            pid,
-            reason: RemoteRefusal::UninterruptibleSleep,
-        })
+        .ok_or(RemoteError::Refused { pid, reason })
 }
 
-/// True if the program is 32-bit (i386 or x32): ELF class 1 in its executable's header.
+/// True if the program is 32-bit (i386 or x32): its stack starts below 4 GiB, where a 64-bit
+/// program's never does (it is at the top of the 47-bit space). From /proc/PID/stat: opening
+/// the executable to read its ELF header would wait with a FUSE server that stopped
+/// answering. The registers at the stop say it again, exactly.
 fn is_32bit_program(pid: u32) -> bool {
-    use std::io::Read;
-    let mut ident = [0u8; 5];
-    fs::File::open(format!("/proc/{pid}/exe"))
-        .and_then(|mut f| f.read_exact(&mut ident))
-        .is_ok_and(|()| &ident[..4] == b"\x7fELF" && ident[4] == 1)
+    fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| procfs::stat_field(&stat, 28)?.parse::<u64>().ok())
+        .is_some_and(|start_stack| start_stack != 0 && start_stack < 1 << 32)
 }
 
 /// Checks whether `pid` can be borrowed, without touching it.

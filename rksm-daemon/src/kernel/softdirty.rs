@@ -29,6 +29,7 @@ use std::{
 use rksm_common::PAGE_SIZE;
 
 use crate::kernel::{
+    limits,
     process::Process,
     procfs::{self, Pagemap, PagemapEntry, ProcfsError},
     ranges::Range,
@@ -65,6 +66,11 @@ pub enum SoftDirtyError {
 }
 
 impl SoftDirtyError {
+    /// Whether rksm had no file descriptor left: a condition that passes.
+    pub fn out_of_files(&self) -> bool {
+        matches!(self, SoftDirtyError::Io { source, .. } if limits::out_of_files(source))
+    }
+
     fn pagemap(pid: u32, what: &'static str, e: ProcfsError) -> Self {
         match e {
             ProcfsError::Gone(_) => SoftDirtyError::Gone(pid),

@@ -29,7 +29,7 @@ use std::{
         Arc, Mutex,
     },
     thread::JoinHandle,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
@@ -231,7 +231,7 @@ fn render(status: &Status, per_target: bool) -> String {
         )],
     );
     let last = status.last_pass.as_ref();
-    let daemon_wide: [(&str, &str, &str, f64); 19] = [
+    let daemon_wide: [(&str, &str, &str, f64); 20] = [
         (
             "full_scans",
             "counter",
@@ -321,6 +321,12 @@ fn render(status: &Status, per_target: bool) -> String {
             "counter",
             "Targets whose merge domain changed, unmarked and placed again.",
             c.domain_changes as f64,
+        ),
+        (
+            "short_of_files",
+            "counter",
+            "Processes and targets left for a pass because rksm had no file descriptor left.",
+            c.short_of_files as f64,
         ),
         (
             "soft_dirty_clears",
@@ -650,11 +656,14 @@ fn serve(
         }
     };
     let has_room = |busy: &AtomicUsize| busy.load(Ordering::Relaxed) < MAX_CLIENTS;
+    let (mut unix_backoff, mut http_backoff) = (Backoff::default(), Backoff::default());
     while !stop.load(Ordering::Relaxed) {
         // A listener whose clients are all busy is not accepted from: newcomers wait in its
-        // listen queue, not closed.
-        let unix_open = has_room(&unix_busy);
-        let http_open = http.filter(|_| has_room(&http_busy));
+        // listen queue, not closed. Nor is one whose last accept failed (out of files, say),
+        // for a while: its queue stays readable, and polling it again at once would spin.
+        let now = Instant::now();
+        let unix_open = has_room(&unix_busy) && unix_backoff.ready(now);
+        let http_open = http.filter(|_| has_room(&http_busy) && http_backoff.ready(now));
         let mut fds = Vec::with_capacity(2);
         if unix_open {
             fds.push(PollFd::new(unix.as_fd(), PollFlags::POLLIN));
@@ -662,25 +671,91 @@ fn serve(
         if let Some(http) = http_open {
             fds.push(PollFd::new(http.as_fd(), PollFlags::POLLIN));
         }
-        if poll(&mut fds, PollTimeout::from(200u16)).unwrap_or(0) <= 0 {
+        let wait = [unix_backoff.left(now), http_backoff.left(now)]
+            .into_iter()
+            .flatten()
+            .fold(ACCEPT_POLL, Duration::min);
+        let timeout = PollTimeout::try_from(wait).unwrap_or(PollTimeout::ZERO);
+        if poll(&mut fds, timeout).unwrap_or(0) <= 0 {
             continue;
         }
         drop(fds);
-        if let Some(Ok((stream, _))) = unix_open.then(|| unix.accept()) {
-            spawn(
-                &unix_busy,
-                "status client".into(),
-                Box::new(move |status| answer_unix(stream, &status)),
-            );
+        if unix_open {
+            match unix.accept() {
+                Ok((stream, _)) => {
+                    unix_backoff.succeeded();
+                    spawn(
+                        &unix_busy,
+                        "status client".into(),
+                        Box::new(move |status| answer_unix(stream, &status)),
+                    );
+                }
+                Err(e) => unix_backoff.failed("the status socket", &e),
+            }
         }
-        if let Some(Ok((stream, peer))) = http_open.map(TcpListener::accept) {
-            let token = token.clone();
-            spawn(
-                &http_busy,
-                format!("metrics client {peer}"),
-                Box::new(move |status| answer_http(stream, &status, token.as_deref())),
-            );
+        if let Some(http) = http_open {
+            match http.accept() {
+                Ok((stream, peer)) => {
+                    http_backoff.succeeded();
+                    let token = token.clone();
+                    spawn(
+                        &http_busy,
+                        format!("metrics client {peer}"),
+                        Box::new(move |status| answer_http(stream, &status, token.as_deref())),
+                    );
+                }
+                Err(e) => http_backoff.failed("the metrics port", &e),
+            }
         }
+    }
+}
+
+/// How often the accept loop looks at its stop flag when no client comes.
+const ACCEPT_POLL: Duration = Duration::from_millis(200);
+
+/// Pauses a listener after a failed accept: 10 ms, doubling up to a second while accepts
+/// keep failing.
+#[derive(Debug, Default)]
+struct Backoff {
+    until: Option<Instant>,
+    wait: Duration,
+}
+
+impl Backoff {
+    const FIRST: Duration = Duration::from_millis(10);
+    const MOST: Duration = Duration::from_secs(1);
+
+    fn ready(&self, now: Instant) -> bool {
+        self.until.is_none_or(|until| now >= until)
+    }
+
+    /// How long until the listener is looked at again, while it is paused.
+    fn left(&self, now: Instant) -> Option<Duration> {
+        self.until
+            .filter(|&until| until > now)
+            .map(|until| until - now)
+    }
+
+    fn succeeded(&mut self) {
+        self.until = None;
+        self.wait = Duration::ZERO;
+    }
+
+    fn failed(&mut self, what: &str, e: &io::Error) {
+        // Nothing was waiting after all (another thread took it, or the client left).
+        if matches!(
+            e.kind(),
+            io::ErrorKind::WouldBlock
+                | io::ErrorKind::Interrupted
+                | io::ErrorKind::ConnectionAborted
+        ) {
+            return;
+        }
+        if self.wait.is_zero() {
+            log::warn!("accepting on {what}: {e}; pausing it, up to a second at a time, until it works again");
+        }
+        self.wait = (self.wait * 2).clamp(Self::FIRST, Self::MOST);
+        self.until = Some(Instant::now() + self.wait);
     }
 }
 

@@ -28,6 +28,7 @@ use self::{
 use crate::{
     ebpf::recorder::{Recorder, TracerState},
     kernel::{
+        limits,
         process::Process,
         procfs::{self, Vma},
         ranges::{Range, RangeSet},
@@ -105,6 +106,8 @@ pub struct DirtyState {
     bits_read: u64,
     /// Soft-dirty clears, their time and races, under an arming since given up.
     past_clears: (u64, u64, u64),
+    /// It could not be armed for want of file descriptors.
+    short_of_files: bool,
 }
 
 impl DirtyState {
@@ -205,10 +208,25 @@ impl DirtyState {
                         self.failed = failed;
                         return false;
                     }
+                    Err(NotArmed::ShortOfFiles) => {
+                        self.short_of_files(pid);
+                        self.failed = failed;
+                        return false;
+                    }
                     Err(NotArmed::Lasting(why)) => Err(why),
                 },
+                WriteProtect::SoftDirty
+                    if !limits::room_for(process.pidfd(), 1 + limits::PASS_RESERVE) =>
+                {
+                    self.short_of_files(pid);
+                    return false;
+                }
                 WriteProtect::SoftDirty => match SoftDirtyArming::open(process) {
                     Ok(bits) => Ok(Arming::SoftDirty(Box::new(bits))),
+                    Err(e) if e.out_of_files() => {
+                        self.short_of_files(pid);
+                        return false;
+                    }
                     Err(e) if process.has_exited() => {
                         log::debug!("pid {pid}: {e}");
                         return false;
@@ -243,11 +261,32 @@ impl DirtyState {
         false
     }
 
+    /// The target could not be write-protected this pass for want of file descriptors: it is
+    /// hashed whole until it can be. The daemon counts it and tells the operator.
+    fn short_of_files(&mut self, pid: u32) {
+        log::debug!("pid {pid}: not write-protected this pass: out of file descriptors");
+        self.short_of_files = true;
+    }
+
+    /// Whether the target went without write protection for want of file descriptors since
+    /// the last call.
+    pub fn take_short_of_files(&mut self) -> bool {
+        std::mem::take(&mut self.short_of_files)
+    }
+
     /// Soft-dirty stopped for the target: it is chosen for again next pass (another source,
-    /// or none), with soft-dirty left out for `stop`'s reason.
+    /// or none), with soft-dirty left out for `stop`'s reason; after a passing one, soft-dirty
+    /// starts over.
     fn stop_soft_dirty(&mut self, pid: u32, stop: Stop) {
         let why = match stop {
             Stop::Gone => return,
+            Stop::Passing(why) => {
+                log::debug!("pid {pid}: soft-dirty starts over next pass: {why}");
+                self.past_clears = self.soft_dirty_clears();
+                self.arming = Arming::NotYet;
+                self.protection = (WriteProtect::None, String::new());
+                return;
+            }
             Stop::Refused(why) => {
                 self.soft_dirty_refused = Some(why.clone());
                 why

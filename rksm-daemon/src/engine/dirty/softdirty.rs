@@ -99,6 +99,8 @@ pub(crate) enum Stop {
     Refused(String),
     /// Clearing or reading failed for a lasting reason: why.
     Failed(String),
+    /// rksm ran out of file descriptors: it starts over with the target next pass.
+    Passing(String),
 }
 
 impl From<SoftDirtyError> for Stop {
@@ -108,6 +110,7 @@ impl From<SoftDirtyError> for Stop {
             e @ SoftDirtyError::UsedByTarget { .. } => Stop::Refused(format!(
                 "{e}: clearing them too would lose writes it has not read yet"
             )),
+            e if e.out_of_files() => Stop::Passing(e.to_string()),
             e => Stop::Failed(e.to_string()),
         }
     }

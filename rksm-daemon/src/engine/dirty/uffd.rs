@@ -11,6 +11,7 @@ use std::collections::HashSet;
 use crate::{
     engine::dirty::audit_slice,
     kernel::{
+        limits,
         process::Process,
         procfs::{self, Vma},
         ranges::RangeSet,
@@ -25,10 +26,20 @@ pub(crate) enum NotArmed {
     Passing,
     /// For good, and why.
     Lasting(String),
+    /// rksm has no file descriptor to spare: try again next pass.
+    ShortOfFiles,
 }
+
+/// Files an armed target holds open in rksm: the userfaultfd and its pagemap.
+const ARMED_FILES: usize = 2;
 
 /// Creates a userfaultfd inside `process` and takes it over (one borrow).
 pub(crate) fn arm(process: &Process, remote_syscalls: &mut u64) -> Result<Armed, NotArmed> {
+    // The userfaultfd and the pagemap it is scanned through stay open in rksm; without room
+    // for them (and for passes), the target is not borrowed for nothing.
+    if !limits::room_for(process.pidfd(), ARMED_FILES + limits::PASS_RESERVE) {
+        return Err(NotArmed::ShortOfFiles);
+    }
     let armed = RemoteSession::begin(process)
         .map_err(ArmError::from)
         .and_then(|mut session| {
@@ -47,6 +58,9 @@ pub(crate) fn arm(process: &Process, remote_syscalls: &mut u64) -> Result<Armed,
         ArmError::Remote(RemoteError::Refused { reason, .. }) if !reason.is_lasting() => {
             NotArmed::Passing
         }
+        // rksm's own files ran out taking the userfaultfd over (the session closed it in
+        // the target).
+        ArmError::Io { ref source, .. } if limits::out_of_files(source) => NotArmed::ShortOfFiles,
         e => NotArmed::Lasting(e.to_string()),
     })
 }
