@@ -251,3 +251,89 @@ fn the_status_server_pauses_while_it_cannot_accept_and_answers_after() {
     assert_eq!(json["targets_refused"], serde_json::json!({}), "{stderr}");
     drop(children);
 }
+
+/// `rksm status --json` of the daemon listening on `socket`, if it answers.
+fn status_of(socket: &str) -> Option<serde_json::Value> {
+    let output = rksm_command()
+        .args(["status", "--json", "--socket", socket])
+        .output()
+        .ok()?;
+    output
+        .status
+        .success()
+        .then(|| serde_json::from_slice(&output.stdout).ok())
+        .flatten()
+}
+
+/// A measurement, not a check: rksm over many small processes (`RKSM_SCALE_TARGETS`,
+/// 10,000 by default; each 4 pages, the same in all), under this process's hard limit on
+/// open files: targets adopted, first and steady pass, rksm's resident memory. Run with
+/// `cargo test --release -p rksm-tests --test scale -- --ignored --nocapture`.
+#[test]
+#[ignore = "a measurement of minutes, over thousands of processes"]
+fn measure_many_small_processes() {
+    require_root();
+    let _turn = ksm_turn();
+    let n: usize = std::env::var("RKSM_SCALE_TARGETS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10_000);
+    let hard = limits::raise_open_files().expect("getrlimit").now;
+    let started = Instant::now();
+    let mut children: Vec<std::process::Child> = (0..n)
+        .map(|_| {
+            std::process::Command::new(rksm_tests::built_binary("rksm-testchild"))
+                .arg(format!("map {PAGES}; write 0 0 {PAGES} 96; name rksm-many"))
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .spawn()
+                .expect("spawning rksm-testchild")
+        })
+        .collect();
+    let named = |c: &std::process::Child| {
+        std::fs::read_to_string(format!("/proc/{}/comm", c.id()))
+            .is_ok_and(|comm| comm.trim() == "rksm-many")
+    };
+    assert!(
+        wait_for(Duration::from_secs(600), || children.iter().all(named)),
+        "the children did not all start"
+    );
+    eprintln!(
+        "{n} processes ready in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    let socket = "/run/rksm-test-rksm-many.sock";
+    let daemon = daemon_over("rksm-many", hard, None);
+    let pid = daemon.id();
+    let mut last = serde_json::Value::Null;
+    let settled = wait_for(Duration::from_secs(900), || {
+        if let Some(status) = status_of(socket) {
+            last = status;
+        }
+        last["last_pass"]["number"].as_u64().unwrap_or(0) >= 6
+    });
+    let rss = rksm_tests::proc_status(pid, "VmRSS:");
+    let peak = rksm_tests::proc_status(pid, "VmHWM:");
+    let fds = fd_count(pid);
+    let output = daemon.stop();
+    for child in &mut children {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    assert!(
+        settled,
+        "no sixth pass: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let json = json_of(&output);
+    eprintln!(
+        "{n} processes, hard limit {hard} open files: {} targets in the last pass, first pass {:.2} s ({} pages hashed), steady pass {:.3} s; rksm resident {rss}, peak {peak}; {fds} files open; pages_sharing {}; short of files {}; refused {}",
+        last["last_pass"]["targets"],
+        json["first_pass_seconds"].as_f64().unwrap_or(0.0),
+        json["first_pass_pages"],
+        last["last_pass"]["seconds"].as_f64().unwrap_or(0.0),
+        json["pages_sharing"],
+        json["short_of_files"],
+        json["targets_refused"],
+    );
+}

@@ -1,7 +1,8 @@
 //! `rksm-testchild`: a process with exactly the memory a test asks for.
 //!
 //! Integration tests drive it over stdin/stdout, one command per line, so that they know
-//! which pages it touched, when, and with what contents:
+//! which pages it touched, when, and with what contents (or give it the commands as one
+//! argument, `;`-separated, after which it sleeps until killed, holding no pipe):
 //!
 //! - `map PAGES` → `mapped ID ADDR`: a private anonymous region, huge pages off (a huge
 //!   page would make one fault cover 512 pages).
@@ -734,6 +735,21 @@ fn run(line: &str, regions: &mut Vec<Region>) -> Result<String, String> {
 
 fn main() {
     let mut regions = Vec::new();
+    // `rksm-testchild 'CMD; CMD...'`: runs the commands, then sleeps until killed, holding
+    // no pipe (for tests with thousands of children).
+    if let Some(script) = std::env::args().nth(1) {
+        for line in script.split(';') {
+            if let Err(e) = run(line.trim(), &mut regions) {
+                eprintln!("rksm-testchild: {line}: {e}");
+                std::process::exit(1);
+            }
+        }
+        loop {
+            // SAFETY: pause has no arguments; it returns only when a handled signal
+            // arrives.
+            unsafe { libc::pause() };
+        }
+    }
     let stdin = io::stdin();
     let mut stdout = io::stdout();
     for line in stdin.lock().lines() {
