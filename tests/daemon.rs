@@ -829,6 +829,32 @@ fn a_non_dumpable_process_with_duplicates_is_never_marked() {
     assert!(secretive.verify(rb, 0, 64, 79));
 }
 
+#[test]
+fn a_root_process_that_made_itself_non_dumpable_is_never_marked() {
+    require_root();
+    let _turn = ksm_turn();
+    // Root's /proc files are root's whether or not it is dumpable: only the process knows.
+    let mut open = TestChild::spawn();
+    let mut secretive = TestChild::spawn();
+    let (ra, rb) = (open.map(64), secretive.map(64));
+    open.write(ra, 0, 64, 80);
+    secretive.write(rb, 0, 64, 80);
+    secretive.command("nodump");
+    let regions = [(open.pid(), ra, 64), (secretive.pid(), rb, 64)];
+    let mut daemon = daemon_with_domains(&regions, DirtyMode::Pagemap, DomainPolicy::Uid);
+    let merged = passes_until(&mut daemon, || ksm_pages(open.pid(), ra, 64).len() == 64);
+    let stats = daemon.finish();
+    assert!(merged, "the dumpable process was not merged");
+    assert!(!vma_mergeable(secretive.pid(), rb.base), "{stats:?}");
+    assert_eq!(
+        stats.targets_refused.get("non_dumpable"),
+        Some(&1),
+        "{stats:?}"
+    );
+    assert_eq!(proc_status(secretive.pid(), "TracerPid:"), "0");
+    assert!(secretive.verify(rb, 0, 64, 80));
+}
+
 /// A root process and a `nobody` process, each holding 64 pages of one content.
 struct TwoUsers {
     root: TestChild,

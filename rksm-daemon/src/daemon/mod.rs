@@ -915,6 +915,9 @@ impl Daemon {
                 self.count_refusal(id, "unreadable", &format!("cannot read its memory: {why}"));
             }
         }
+        for &(pid, reason) in &report.refused {
+            self.refuse_remote(pid, reason);
+        }
         if !report.short_of_files.is_empty() {
             self.short_of_files(report.short_of_files.len(), "target(s) not read");
         }

@@ -40,6 +40,7 @@ use crate::{
         procfs::{self, KpageFlags, Pagemap, PagemapEntry, ProcfsError, Vma},
         ranges::{page_runs, Range, RangeSet},
         reader::{self, ProcMem, ReaderError},
+        remote::RemoteRefusal,
     },
 };
 
@@ -166,6 +167,8 @@ pub struct PassReport {
     pub failed: Vec<(u32, String)>,
     /// Processes left for this pass because rksm had no file descriptor left.
     pub short_of_files: Vec<u32>,
+    /// Processes found off limits when they were borrowed to be armed, not read.
+    pub refused: Vec<(u32, RemoteRefusal)>,
     /// Wall time of the pass.
     pub seconds: f64,
     /// Per process, the pages whose content was verified equal to another page's, with the
@@ -703,6 +706,11 @@ impl Scanner {
             match self.vmas_of(pid) {
                 Ok((vmas, total)) => {
                     let work = self.plan(target, &vmas);
+                    // Arming it found it off limits: it is not read.
+                    if let Some(reason) = target.dirty.refused() {
+                        report.refused.push((pid, reason));
+                        continue;
+                    }
                     report.vmas.insert(pid, (vmas, total));
                     plans.push((&mut **target, work));
                 }

@@ -205,6 +205,9 @@ pub enum RemoteRefusal {
     NoVdso,
     /// A 32-bit (compat or x32) program: `syscall` and the call numbers mean something else.
     Compat,
+    /// The process made itself non-dumpable (`PR_SET_DUMPABLE` 0), as it said when asked in
+    /// the borrow: its /proc files cannot say so when it runs as root.
+    NonDumpable,
 }
 
 impl RemoteRefusal {
@@ -213,7 +216,10 @@ impl RemoteRefusal {
     /// detaches, a stop or a disk wait ends, and a process caught in the middle of an exec
     /// has no vDSO mapped for a moment.
     pub fn is_lasting(self) -> bool {
-        matches!(self, RemoteRefusal::Seccomp | RemoteRefusal::Compat)
+        matches!(
+            self,
+            RemoteRefusal::Seccomp | RemoteRefusal::Compat | RemoteRefusal::NonDumpable
+        )
     }
 
     /// Stable short name, used as a counter label.
@@ -225,6 +231,7 @@ impl RemoteRefusal {
             RemoteRefusal::UninterruptibleSleep => "uninterruptible_sleep",
             RemoteRefusal::NoVdso => "no_vdso",
             RemoteRefusal::Compat => "compat",
+            RemoteRefusal::NonDumpable => "non_dumpable",
         }
     }
 }
@@ -238,6 +245,7 @@ impl fmt::Display for RemoteRefusal {
             RemoteRefusal::UninterruptibleSleep => "every thread is in uninterruptible sleep",
             RemoteRefusal::NoVdso => "it has no vDSO syscall instruction to borrow",
             RemoteRefusal::Compat => "it is a 32-bit program",
+            RemoteRefusal::NonDumpable => "it is not dumpable (it said so when asked)",
         })
     }
 }
@@ -688,6 +696,17 @@ impl RemoteSession {
             return Err(RemoteError::NewImage(pid));
         }
         session.settle_interrupted_call();
+        // A process running as root that made itself non-dumpable (sshd's privileged
+        // children, agents holding keys) shows it nowhere in /proc, whose files are root's
+        // either way: it is asked, before anything else is done in it.
+        let dumpable = session.syscall(libc::SYS_prctl as u64, &[libc::PR_GET_DUMPABLE as u64])?;
+        if dumpable == 0 {
+            session.release()?;
+            return Err(RemoteError::Refused {
+                pid,
+                reason: RemoteRefusal::NonDumpable,
+            });
+        }
         Ok(session)
     }
 

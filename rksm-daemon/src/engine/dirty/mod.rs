@@ -32,6 +32,7 @@ use crate::{
         process::Process,
         procfs::{self, Vma},
         ranges::{Range, RangeSet},
+        remote::RemoteRefusal,
         userfaultfd::Armed,
     },
 };
@@ -108,6 +109,8 @@ pub struct DirtyState {
     past_clears: (u64, u64, u64),
     /// It could not be armed for want of file descriptors.
     short_of_files: bool,
+    /// Borrowing it to arm it found it must never be borrowed (nor read) again.
+    refused: Option<RemoteRefusal>,
 }
 
 impl DirtyState {
@@ -208,6 +211,11 @@ impl DirtyState {
                         self.failed = failed;
                         return false;
                     }
+                    Err(NotArmed::Refused(reason)) => {
+                        self.refused = Some(reason);
+                        self.failed = failed;
+                        return false;
+                    }
                     Err(NotArmed::ShortOfFiles) => {
                         self.short_of_files(pid);
                         self.failed = failed;
@@ -266,6 +274,12 @@ impl DirtyState {
     fn short_of_files(&mut self, pid: u32) {
         log::debug!("pid {pid}: not write-protected this pass: out of file descriptors");
         self.short_of_files = true;
+    }
+
+    /// Why the target must be refused, if arming it found out: the daemon refuses it before
+    /// it is read.
+    pub fn refused(&self) -> Option<RemoteRefusal> {
+        self.refused
     }
 
     /// Whether the target went without write protection for want of file descriptors since

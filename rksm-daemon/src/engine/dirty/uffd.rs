@@ -15,7 +15,7 @@ use crate::{
         process::Process,
         procfs::{self, Vma},
         ranges::RangeSet,
-        remote::{RemoteError, RemoteSession},
+        remote::{RemoteError, RemoteRefusal, RemoteSession},
         userfaultfd::{ArmError, Armed},
     },
 };
@@ -28,6 +28,8 @@ pub(crate) enum NotArmed {
     Lasting(String),
     /// rksm has no file descriptor to spare: try again next pass.
     ShortOfFiles,
+    /// The process must not be borrowed, for as long as it lives.
+    Refused(RemoteRefusal),
 }
 
 /// Files an armed target holds open in rksm: the userfaultfd and its pagemap.
@@ -58,6 +60,9 @@ pub(crate) fn arm(process: &Process, remote_syscalls: &mut u64) -> Result<Armed,
         ArmError::Remote(RemoteError::Refused { reason, .. }) if !reason.is_lasting() => {
             NotArmed::Passing
         }
+        // What the borrow found (the process says it is not dumpable, every thread has a
+        // seccomp filter) refuses the process itself, not only this source.
+        ArmError::Remote(RemoteError::Refused { reason, .. }) => NotArmed::Refused(reason),
         // rksm's own files ran out taking the userfaultfd over (the session closed it in
         // the target).
         ArmError::Io { ref source, .. } if limits::out_of_files(source) => NotArmed::ShortOfFiles,
