@@ -681,7 +681,8 @@ pub fn memory_speed() -> MemorySpeed {
     }
 }
 
-/// The report's verdicts on issue 12's targets, one line each, from the xxh64 rows.
+/// The report's verdicts on the performance targets (docs/BENCHMARKS.md), one line each,
+/// from the xxh64 rows.
 pub fn verdicts(runs: &[RunResult], profile: &Profile, memory: Option<MemorySpeed>) -> Vec<String> {
     let find = |mode: &str| {
         runs.iter()
@@ -690,7 +691,7 @@ pub fn verdicts(runs: &[RunResult], profile: &Profile, memory: Option<MemorySpee
     let verdict = |met: bool| if met { "MET:" } else { "NOT MET:" };
     let mut lines = Vec::new();
     if profile.is_guests() {
-        // Issue 12's 3b: guests that mark their own RAM, where ksmd sweeps all of it.
+        // Target 3b: guests that mark their own RAM, where ksmd sweeps all of it.
         let (Some(ebpf), Some(tuned)) = (find("ebpf"), find("ksmd-tuned")) else {
             return vec!["NOT MEASURED: no ebpf or ksmd-tuned row".into()];
         };
@@ -715,7 +716,7 @@ pub fn verdicts(runs: &[RunResult], profile: &Profile, memory: Option<MemorySpee
         return vec!["NOT MEASURED: no ebpf row".into()];
     };
     let hash = find("hash-only");
-    // A target set on one profile (the issue's (a) on `static-4g`, (d) on `static`) is judged
+    // A target set on one profile ((a) on `static-4g`, (d) on `static`) is judged
     // there; elsewhere its line is shown for reference.
     let is_profile = |name: &str| Profile::named(name).as_ref() == Some(profile);
     let judged_on = |name: &str, met: bool| {

@@ -81,7 +81,7 @@ impl Profile {
                 ..base
             }),
             "mixed" => Some(base),
-            // Issue 12's steady-state workload: 4 GiB, half of it duplicates, 1% rewritten.
+            // The steady-state workload: 4 GiB, half of it duplicates, 1% rewritten.
             "static-4g" => Some(Profile {
                 duplicate_mib: 512,
                 zero_mib: 0,
@@ -102,7 +102,7 @@ impl Profile {
                 fork_mib: 64,
                 ..base
             }),
-            // Three qemu guests (TCG) that mark their own RAM mergeable: issue 12's guests.
+            // Three qemu guests (TCG) that mark their own RAM mergeable: the guests profile.
             "guests" => Some(Profile {
                 processes: 3,
                 duplicate_mib: 128,
