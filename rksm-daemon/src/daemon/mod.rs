@@ -643,6 +643,11 @@ impl Daemon {
     /// Adopts the processes not yet targets and not refused: each gets its record.
     fn adopt(&mut self, processes: Vec<Process>) {
         let mut short = 0;
+        // Their pidfds are open already: when a pass's files fit beside them all, none need
+        // be dropped, and the room is not tried again for each.
+        let roomy = processes
+            .first()
+            .is_some_and(|p| limits::room_for(p.pidfd(), limits::PASS_RESERVE));
         for process in processes {
             let pid = process.pid();
             if self.targets.contains_key(&pid) || self.refusals.lasting(process.id()) {
@@ -650,7 +655,7 @@ impl Daemon {
             }
             // A target holds its pidfd for as long as it lives; the files a pass needs come
             // first.
-            if !limits::room_for(process.pidfd(), limits::PASS_RESERVE) {
+            if !roomy && !limits::room_for(process.pidfd(), limits::PASS_RESERVE) {
                 short += 1;
                 continue;
             }
@@ -772,11 +777,11 @@ impl Daemon {
         }
         self.follow_the_processes();
         self.refusals.prune();
-        let known: HashSet<u32> = self.targets.keys().copied().collect();
+        let targets = &self.targets;
         match self
             .config
             .targets
-            .resolve_again(&|pid| known.contains(&pid))
+            .resolve_again(&|pid| targets.contains_key(&pid))
         {
             Ok(selection) => {
                 if selection.short_of_files > 0 {
