@@ -546,6 +546,8 @@ fn sigterm_restores_ksmd_and_prints_the_counters() {
         "tracer_lost",
         "cow_breaks",
         "remote_syscalls",
+        "borrows",
+        "rseq_aborts",
         "eintr_risk",
     ] {
         assert!(json[key].is_u64(), "{key} missing: {json}");

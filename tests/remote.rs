@@ -456,3 +456,43 @@ fn a_32bit_process_is_refused_untouched() {
     child.wait().unwrap();
     std::fs::remove_file(program).unwrap();
 }
+
+#[test]
+fn a_thread_borrowed_inside_an_rseq_critical_section_aborts_it_as_the_kernel_would() {
+    require_root();
+    let mut child = TestChild::spawn();
+    let pid = child.pid();
+    // Two threads share CPU 0 and one counter; the sections are long, so most borrows stop
+    // a thread inside one while the other keeps adding.
+    child.send("rseq 6000 2 3000");
+    let process = Process::open(pid).unwrap();
+    assert!(
+        wait_for(Duration::from_secs(5), || proc_status(pid, "Threads:") == "3"),
+        "the workers did not start"
+    );
+    let before = remote::rseq_aborts();
+    let started = Instant::now();
+    let mut borrows = 0;
+    while started.elapsed() < Duration::from_secs(4) {
+        match RemoteSession::begin(&process) {
+            Ok(mut session) => {
+                assert_eq!(session.syscall(nr::GETPID, &[]).unwrap(), i64::from(pid));
+                session.finish().unwrap();
+                borrows += 1;
+            }
+            Err(e) => panic!("borrow {borrows}: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let reply = child.reply();
+    let words: Vec<&str> = reply.split_whitespace().collect();
+    assert_eq!(words.first(), Some(&"rseq"), "{reply}");
+    assert_eq!(
+        words[2], words[4],
+        "counter vs commits after {borrows} borrows: an update was lost ({reply})"
+    );
+    assert!(
+        remote::rseq_aborts() > before,
+        "no borrow of {borrows} stopped a thread inside a section: the test proves nothing"
+    );
+}

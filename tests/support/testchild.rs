@@ -52,6 +52,9 @@
 //!   process on `madvise`, then spins (running, so the least disturbed thread to borrow).
 //! - `uffd ID` → `ok`: registers the (fully written) region with a userfaultfd of its own,
 //!   as a process using userfaultfd for itself would.
+//! - `rseq MS THREADS SPIN` → `rseq counter C commits N aborts A`: THREADS threads pinned to
+//!   CPU 0 add to one counter in rseq critical sections (SPIN pauses between load and
+//!   commit) for MS ms; C equals N unless a section completed after a preemption.
 //! - `verify ID FIRST COUNT SEED` → `ok` or `mismatch PAGE`: checks contents are intact.
 //! - `verifyunique ID FIRST COUNT SEED` → the same for pages written with `unique`.
 //! - `verifyfill ID FIRST COUNT BYTE` → the same for pages written with `fill`.
@@ -60,6 +63,8 @@
 //! - `exit` → exits 0.
 //!
 //! Accesses are volatile so the compiler can neither drop nor merge them.
+
+mod rseq_counter;
 
 use std::{
     io::{self, BufRead, Write},
@@ -406,6 +411,7 @@ fn run(line: &str, regions: &mut Vec<Region>) -> Result<String, String> {
             }
             Ok(format!("threads {:#x}", COUNTER.as_ptr() as usize))
         }
+        Some("rseq") => rseq_counter::run(num(1)?, num(2)? as usize, num(3)?),
         Some("sleep") => {
             std::thread::sleep(std::time::Duration::from_millis(num(1)?));
             Ok("slept".into())

@@ -80,7 +80,7 @@ fn human(s: &Status, now: SystemTime) -> String {
     }
     text += &format!(
         "merged: {} pages sharing {} KSM pages ({:.1} MiB saved, {:.1} MiB net of rksm's own memory); {} marked; {} unshared\n\
-         all passes: {} full scans, hashed {} pages, skipped {} clean, {:.1} ms in checksums; {} write faults ({} lost), {} cow breaks, {} remote syscalls in {} borrows ({} may have caused an EINTR)\n",
+         all passes: {} full scans, hashed {} pages, skipped {} clean, {:.1} ms in checksums; {} write faults ({} lost), {} cow breaks, {} remote syscalls in {} borrows ({} may have caused an EINTR, {} aborted an rseq section)\n",
         c.pages_sharing,
         c.pages_shared,
         mib(c.pages_sharing),
@@ -96,7 +96,8 @@ fn human(s: &Status, now: SystemTime) -> String {
         c.cow_breaks,
         c.remote_syscalls,
         c.borrows,
-        c.eintr_risk
+        c.eintr_risk,
+        c.rseq_aborts
     );
     if !c.targets_refused.is_empty() {
         let refused: Vec<String> = c

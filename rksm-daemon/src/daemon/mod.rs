@@ -201,6 +201,10 @@ pub struct DaemonStats {
     /// Threads of targets borrowed (stopped for remote system calls and let go).
     #[serde(default)]
     pub borrows: u64,
+    /// Borrowed threads found inside an rseq critical section, sent to its abort handler as
+    /// the kernel would have sent them.
+    #[serde(default)]
+    pub rseq_aborts: u64,
     /// Targets whose merge domain changed (setuid, a cgroup move), unmarked and placed again.
     #[serde(default)]
     pub domain_changes: u64,
@@ -394,10 +398,11 @@ pub struct Daemon {
     self_marked_warned: HashSet<ProcessId>,
     /// More than one merge domain among the targets and the mergeable outsiders.
     several_domains: bool,
-    /// [`remote::eintr_risk`] and [`remote::borrows`] when the daemon started (the counters
+    /// [`remote::eintr_risk`], [`remote::borrows`] and [`remote::rseq_aborts`] when the daemon started (the counters
     /// are process-wide).
     eintr_risk_at_start: u64,
     borrows_at_start: u64,
+    rseq_aborts_at_start: u64,
     /// ksmd is paced to the marked set until its `full_scans` reaches this.
     ksmd_busy_until: u64,
     /// Work found since ksmd was last set going, not yet worth a sweep of its own.
@@ -524,6 +529,7 @@ impl Daemon {
             marking_syscalls: 0,
             eintr_risk_at_start: remote::eintr_risk(),
             borrows_at_start: remote::borrows(),
+            rseq_aborts_at_start: remote::rseq_aborts(),
             stopping: false,
             outsiders_seen: HashSet::new(),
             warned_short_of_files: None,
@@ -1243,6 +1249,7 @@ impl Daemon {
         s.remote_syscalls = self.marking_syscalls + self.scanner.dirty_remote_syscalls();
         s.eintr_risk = remote::eintr_risk() - self.eintr_risk_at_start;
         s.borrows = remote::borrows() - self.borrows_at_start;
+        s.rseq_aborts = remote::rseq_aborts() - self.rseq_aborts_at_start;
         s.regions_backed_off = self
             .targets
             .values()

@@ -9,5 +9,6 @@ pub mod procfs;
 pub mod ranges;
 pub mod reader;
 pub mod remote;
+pub mod rseq;
 pub mod softdirty;
 pub mod userfaultfd;

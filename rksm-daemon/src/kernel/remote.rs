@@ -12,7 +12,9 @@
 //! which might kill them for our call, stopped, in uninterruptible sleep, 32-bit) are
 //! refused before anything is done to them.
 //!
-//! The borrow follows CRIU's compel (infect.c). A signal that arrives before the interrupt's
+//! The borrow follows CRIU's compel (infect.c). A thread stopped inside an rseq critical
+//! section is first sent to the section's abort handler, as the kernel would send it
+//! ([`rseq`]). A signal that arrives before the interrupt's
 //! stop is handed straight back with `PTRACE_CONT` (its siginfo intact); once stopped, every
 //! signal is blocked with `PTRACE_SETSIGMASK` for the length of the borrow, so nothing is
 //! dequeued and nothing needs resending, and the mask is put back exactly. A stop is taken as
@@ -38,7 +40,12 @@ use std::{
 
 use nix::{errno::Errno, sys::ptrace, unistd::Pid};
 
-use crate::kernel::{process::Process, procfs, reader::ProcMem};
+use crate::kernel::{
+    process::Process,
+    procfs,
+    reader::ProcMem,
+    rseq::{self, RseqError},
+};
 
 /// System call numbers used remotely (the target's architecture is rksm's own: a compat
 /// process is never borrowed).
@@ -69,6 +76,15 @@ static EINTR_RISK: AtomicU64 = AtomicU64::new(0);
 
 /// Threads borrowed (stopped and let go again), process-wide.
 static BORROWS: AtomicU64 = AtomicU64::new(0);
+
+/// Borrowed threads found inside an rseq critical section and sent to its abort handler.
+static RSEQ_ABORTS: AtomicU64 = AtomicU64::new(0);
+
+/// Borrowed threads that were inside an rseq critical section, which rksm aborted as the
+/// kernel would have.
+pub fn rseq_aborts() -> u64 {
+    RSEQ_ABORTS.load(Ordering::Relaxed)
+}
 
 /// Borrows that may have made a target see EINTR (see the module documentation).
 pub fn eintr_risk() -> u64 {
@@ -119,6 +135,16 @@ mod arch {
     /// The fourth argument (`epoll_wait`'s timeout).
     pub fn arg4(regs: &Regs) -> u64 {
         regs.r10
+    }
+
+    /// The instruction pointer.
+    pub fn ip(regs: &Regs) -> u64 {
+        regs.rip
+    }
+
+    /// Moves the instruction pointer.
+    pub fn set_ip(regs: &mut Regs, ip: u64) {
+        regs.rip = ip;
     }
 
     pub fn get(tid: Pid) -> nix::Result<Regs> {
@@ -188,6 +214,12 @@ mod arch {
     pub fn arg4(_regs: &Regs) -> u64 {
         0
     }
+
+    pub fn ip(_regs: &Regs) -> u64 {
+        0
+    }
+
+    pub fn set_ip(_regs: &mut Regs, _ip: u64) {}
 }
 
 /// Why a target cannot be borrowed for remote system calls.
@@ -281,6 +313,14 @@ pub enum RemoteError {
     /// Stops that were not the injected call's came back every time.
     #[error("pid {0}: the injected call did not complete after {CALL_ATTEMPTS} attempts; its registers were restored")]
     Unsettled(u32),
+    /// The thread's rseq state could not be settled; it was let go untouched.
+    #[error("pid {pid}: {source}; let go untouched")]
+    Rseq {
+        /// The process.
+        pid: u32,
+        /// What was wrong.
+        source: RseqError,
+    },
     /// Remote system calls are not implemented for this architecture.
     #[error("remote system calls are implemented for x86_64 only; rksm cannot mark or arm targets here (`rksm estimate` and `rksm trace` still work)")]
     Unsupported,
@@ -684,6 +724,26 @@ impl RemoteSession {
                 pid,
                 reason: RemoteRefusal::Compat,
             });
+        }
+        // Before anything runs in the thread: an ip inside an rseq critical section goes to
+        // the section's abort handler, as the kernel would send it (see `rseq`).
+        let mut regs = regs;
+        let abort = ProcMem::open(pid)
+            .map_err(|_| RemoteError::Gone(pid))
+            .and_then(|mem| {
+                rseq::abort_target(&mem, tid, arch::ip(&regs))
+                    .map_err(|source| RemoteError::Rseq { pid, source })
+            });
+        match abort {
+            Ok(Some(abort_ip)) => {
+                arch::set_ip(&mut regs, abort_ip);
+                RSEQ_ABORTS.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(None) => {}
+            Err(e) => {
+                session.release()?;
+                return Err(e);
+            }
         }
         let mask = sigmask(tid, None).map_err(ptrace_err("getsigmask"))?;
         sigmask(tid, Some(!0)).map_err(ptrace_err("setsigmask"))?;

@@ -231,7 +231,7 @@ fn render(status: &Status, per_target: bool) -> String {
         )],
     );
     let last = status.last_pass.as_ref();
-    let daemon_wide: [(&str, &str, &str, f64); 20] = [
+    let daemon_wide: [(&str, &str, &str, f64); 21] = [
         (
             "full_scans",
             "counter",
@@ -291,6 +291,12 @@ fn render(status: &Status, per_target: bool) -> String {
             "counter",
             "Threads of targets stopped for remote system calls and let go.",
             c.borrows as f64,
+        ),
+        (
+            "rseq_aborts",
+            "counter",
+            "Borrowed threads inside an rseq critical section, sent to its abort handler.",
+            c.rseq_aborts as f64,
         ),
         (
             "eintr_risk",

@@ -55,7 +55,8 @@ pub(crate) fn arm(process: &Process, remote_syscalls: &mut u64) -> Result<Armed,
             RemoteError::Gone(_)
             | RemoteError::NewImage(_)
             | RemoteError::NoStop { .. }
-            | RemoteError::Unsettled(_),
+            | RemoteError::Unsettled(_)
+            | RemoteError::Rseq { .. },
         ) => NotArmed::Passing,
         ArmError::Remote(RemoteError::Refused { reason, .. }) if !reason.is_lasting() => {
             NotArmed::Passing
