@@ -207,6 +207,17 @@ fn a_target_killed_while_borrowed_is_reported_gone_without_hanging() {
     }
     // Letting go of a dead thread is not an error worth more than a log line.
     let _ = session.finish();
+    // Its exit is reported to its tracer first: until rksm takes that report, the parent
+    // (here the same process, elsewhere a service manager) cannot reap it.
+    let me = nix::unistd::gettid().to_string();
+    assert!(
+        wait_for(Duration::from_secs(5), || {
+            remote::reap_lingering();
+            std::fs::read_to_string(format!("/proc/{pid}/status"))
+                .map_or(true, |s| !s.contains(&format!("TracerPid:\t{me}\n")))
+        }),
+        "the dead target is still traced by rksm: its parent cannot reap it"
+    );
     drop(child);
 }
 

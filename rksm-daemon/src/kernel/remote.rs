@@ -707,7 +707,9 @@ impl RemoteSession {
         };
         if let Err(errno) = ptrace::interrupt(tid) {
             session.released = true;
-            let _ = ptrace::detach(tid, None);
+            if ptrace::detach(tid, None).is_err() {
+                session.linger_dead();
+            }
             return Err(ptrace_err("interrupt")(errno));
         }
         session.wait_for_interrupt()?;
@@ -859,6 +861,19 @@ impl RemoteSession {
         }
     }
 
+    /// The thread could not be let go (it is dying, or not in a stop): it stays seized until
+    /// [`reap_lingering`] takes its exit or its next stop, with nothing to restore.
+    fn linger_dead(&mut self) {
+        LINGERING
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Lingering {
+                tracer: gettid(),
+                tid: self.tid,
+                restore: None,
+            });
+    }
+
     fn gone(&mut self) -> RemoteError {
         self.released = true;
         RemoteError::Gone(self.pid)
@@ -942,6 +957,12 @@ impl RemoteSession {
             None => Ok(()),
         };
         let detached = ptrace::detach(self.tid, None).map_err(err("detach"));
+        if detached.is_err() {
+            // Killed while held (the detach fails once it is not in a ptrace stop): its exit
+            // is reported to rksm first, and until rksm takes that report its parent cannot
+            // reap it. It is taken with the lingering ones.
+            self.linger_dead();
+        }
         if self.stop_signal {
             // SAFETY: tgkill takes plain integers.
             unsafe {
