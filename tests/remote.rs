@@ -478,7 +478,8 @@ fn a_thread_borrowed_inside_an_rseq_critical_section_aborts_it_as_the_kernel_wou
     child.send("rseq 6000 2 3000");
     let process = Process::open(pid).unwrap();
     assert!(
-        wait_for(Duration::from_secs(5), || proc_status(pid, "Threads:") == "3"),
+        wait_for(Duration::from_secs(5), || proc_status(pid, "Threads:")
+            == "3"),
         "the workers did not start"
     );
     let before = remote::rseq_aborts();

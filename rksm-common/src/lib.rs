@@ -54,6 +54,42 @@ pub mod names {
     pub const COUNTERS: &str = "RKSM_COUNTERS";
 }
 
+/// The userfaultfd guard: what lets a target take up userfaultfd itself although rksm holds
+/// one registered over its memory (a second registration of a VMA fails with `EBUSY`).
+///
+/// Two programs watch the targets rksm holds a userfaultfd for (`HELD`): creating a
+/// userfaultfd or `UFFDIO_API` on one posts a claim (the pid) to a ring the daemon waits on,
+/// and `UFFDIO_REGISTER` also holds the calling thread at the call's entry, until the daemon
+/// has given its userfaultfd up (it deletes the pid from `HELD`) or [`MAX_HOLD_NS`] passed.
+pub mod uffd_guard {
+    /// Tracefs category of the system-call tracepoints.
+    pub const CATEGORY: &str = "syscalls";
+    /// The tracepoint at the entry of `userfaultfd(2)`.
+    pub const CREATE_EVENT: &str = "sys_enter_userfaultfd";
+    /// The tracepoint at the entry of `ioctl(2)`.
+    pub const IOCTL_EVENT: &str = "sys_enter_ioctl";
+    /// Where `sys_enter_ioctl` has `cmd` (`unsigned int`, stored in 8 bytes).
+    pub const IOCTL_CMD_OFFSET: usize = 24;
+    /// `USERFAULTFD_IOC_NEW`: a userfaultfd from /dev/userfaultfd.
+    pub const USERFAULTFD_IOC_NEW: u32 = 0xAA00;
+    /// `UFFDIO_API`, the first call on any new userfaultfd.
+    pub const UFFDIO_API: u32 = 0xC018_AA3F;
+    /// `UFFDIO_REGISTER`, the call rksm's registration would make fail.
+    pub const UFFDIO_REGISTER: u32 = 0xC020_AA00;
+    /// The longest a `UFFDIO_REGISTER` is held for the daemon to give its userfaultfd up.
+    pub const MAX_HOLD_NS: u64 = 100_000_000;
+    /// Program names.
+    pub const CREATE_PROGRAM: &str = "rksm_uffd_create";
+    /// Program names.
+    pub const IOCTL_PROGRAM: &str = "rksm_uffd_ioctl";
+    /// `HashMap<u32 tgid, u32>`: the targets rksm holds a userfaultfd for.
+    pub const HELD: &str = "RKSM_UFFD_HELD";
+    /// `RingBuf` of `u32` pids that take up userfaultfd.
+    pub const CLAIMS: &str = "RKSM_UFFD_CLAIMS";
+    /// Size of the claim ring.
+    pub const CLAIM_RING_BYTES: u32 = 16 << 10;
+}
+
 /// Default capacity of the tracked-process map.
 pub const MAX_TRACKED: u32 = 16384;
 /// Default size of the record ring in bytes (a power of two, a multiple of the page size).

@@ -16,6 +16,8 @@
 
 use core::intrinsics::{atomic_xadd, AtomicOrdering};
 
+mod guard;
+
 use aya_ebpf::{
     macros::{map, tracepoint},
     maps::{HashMap, PerCpuArray, RingBuf},

@@ -116,7 +116,10 @@ fn pin(cpu: usize) -> Result<(), String> {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         libc::CPU_SET(cpu, &mut set);
         if libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) != 0 {
-            return Err(format!("sched_setaffinity: {}", std::io::Error::last_os_error()));
+            return Err(format!(
+                "sched_setaffinity: {}",
+                std::io::Error::last_os_error()
+            ));
         }
     }
     Ok(())

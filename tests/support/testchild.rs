@@ -55,6 +55,12 @@
 //! - `rseq MS THREADS SPIN` → `rseq counter C commits N aborts A`: THREADS threads pinned to
 //!   CPU 0 add to one counter in rseq critical sections (SPIN pauses between load and
 //!   commit) for MS ms; C equals N unless a section completed after a preemption.
+//! - `ownuffd ID MODE` → `ownuffd ok` or `ownuffd error E`: creates a userfaultfd and at
+//!   once registers region ID with it, MODE `wp` or `missing` (as qemu's postcopy and
+//!   background snapshots do); the fd stays open.
+//! - `raceuffd ID MODE MS` → `raceuffd ok`, `raceuffd error E` or `raceuffd notarmed`: waits
+//!   up to MS ms for region ID to be write-protected by someone else's userfaultfd (rksm's:
+//!   `uw` in its smaps VmFlags), then does `ownuffd` at once.
 //! - `verify ID FIRST COUNT SEED` → `ok` or `mismatch PAGE`: checks contents are intact.
 //! - `verifyunique ID FIRST COUNT SEED` → the same for pages written with `unique`.
 //! - `verifyfill ID FIRST COUNT BYTE` → the same for pages written with `fill`.
@@ -160,6 +166,93 @@ impl Region {
         // SAFETY: index < pages, so the offset stays inside the mapping.
         Ok(unsafe { self.base.add(index * WORDS) })
     }
+}
+
+/// Creates a userfaultfd and registers region `r` with it at once (`mode` `wp` or `missing`),
+/// as qemu does for postcopy or a background snapshot; the fd stays open. The errno's name
+/// on failure.
+fn own_userfaultfd(r: Region, mode: &str) -> Result<(), String> {
+    #[repr(C)]
+    struct Api {
+        api: u64,
+        features: u64,
+        ioctls: u64,
+    }
+    #[repr(C)]
+    struct Register {
+        start: u64,
+        len: u64,
+        mode: u64,
+        ioctls: u64,
+    }
+    let mode = match mode {
+        "missing" => 1,
+        "wp" => 2,
+        other => return Err(format!("unknown mode {other}")),
+    };
+    let errno = || {
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EBUSY) => "EBUSY".to_string(),
+            _ => e.to_string(),
+        }
+    };
+    // SAFETY: userfaultfd returns a new fd; the ioctls get correctly laid out structs that
+    // outlive the calls.
+    unsafe {
+        let fd = libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) as i32;
+        if fd < 0 {
+            return Err(errno());
+        }
+        let mut api = Api {
+            api: 0xAA,
+            features: 0,
+            ioctls: 0,
+        };
+        if libc::ioctl(fd, 0xc018_aa3f, &mut api) != 0 {
+            return Err(errno());
+        }
+        let mut reg = Register {
+            start: r.base as u64,
+            len: (r.pages * PAGE) as u64,
+            mode,
+            ioctls: 0,
+        };
+        if libc::ioctl(fd, 0xc020_aa00, &mut reg) != 0 {
+            return Err(errno());
+        }
+    }
+    Ok(())
+}
+
+/// Whether region `r` is registered with a userfaultfd in write-protect mode (its VMA's
+/// `uw` flag in /proc/self/smaps): rksm's, since this process registered none.
+fn armed_by_another(r: Region) -> bool {
+    let base = r.base as usize;
+    let Ok(smaps) = std::fs::read_to_string("/proc/self/smaps") else {
+        return false;
+    };
+    let mut inside = false;
+    for line in smaps.lines() {
+        let range = line
+            .split_whitespace()
+            .next()
+            .and_then(|r| r.split_once('-'));
+        let bounds = range.and_then(|(a, b)| {
+            Some((
+                usize::from_str_radix(a, 16).ok()?,
+                usize::from_str_radix(b, 16).ok()?,
+            ))
+        });
+        if let Some((start, end)) = bounds {
+            inside = (start..end).contains(&base);
+        } else if inside {
+            if let Some(flags) = line.strip_prefix("VmFlags:") {
+                return flags.split_whitespace().any(|f| f == "uw");
+            }
+        }
+    }
+    false
 }
 
 fn run(line: &str, regions: &mut Vec<Region>) -> Result<String, String> {
@@ -592,6 +685,25 @@ fn run(line: &str, regions: &mut Vec<Region>) -> Result<String, String> {
                 }
             }
             Ok("ok".into())
+        }
+        Some("ownuffd") => {
+            let r = region(num(1)?)?;
+            own_userfaultfd(r, words.get(2).copied().unwrap_or("wp"))
+                .map(|()| "ownuffd ok".into())
+                .or_else(|e| Ok(format!("ownuffd error {e}")))
+        }
+        Some("raceuffd") => {
+            let r = region(num(1)?)?;
+            let deadline = std::time::Instant::now() + std::time::Duration::from_millis(num(3)?);
+            while !armed_by_another(r) {
+                if std::time::Instant::now() > deadline {
+                    return Ok("raceuffd notarmed".into());
+                }
+                std::thread::sleep(std::time::Duration::from_micros(500));
+            }
+            own_userfaultfd(r, words.get(2).copied().unwrap_or("wp"))
+                .map(|()| "raceuffd ok".into())
+                .or_else(|e| Ok(format!("raceuffd error {e}")))
         }
         Some("seccomp") => {
             let allow = [libc::sock_filter {

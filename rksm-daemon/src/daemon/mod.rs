@@ -33,6 +33,7 @@ use self::domains::Domains;
 pub use self::domains::{DomainPolicy, OutsiderPolicy};
 use crate::{
     ebpf::{
+        guard,
         recorder::Recorder,
         tracer::{Tracer, TracerConfig, TracerError},
     },
@@ -205,6 +206,10 @@ pub struct DaemonStats {
     /// the kernel would have sent them.
     #[serde(default)]
     pub rseq_aborts: u64,
+    /// Targets that took up userfaultfd themselves while rksm write-protected them with one:
+    /// rksm gave its own up before their registration.
+    #[serde(default)]
+    pub userfaultfd_handovers: u64,
     /// Targets whose merge domain changed (setuid, a cgroup move), unmarked and placed again.
     #[serde(default)]
     pub domain_changes: u64,
@@ -403,6 +408,7 @@ pub struct Daemon {
     eintr_risk_at_start: u64,
     borrows_at_start: u64,
     rseq_aborts_at_start: u64,
+    handovers_at_start: u64,
     /// ksmd is paced to the marked set until its `full_scans` reaches this.
     ksmd_busy_until: u64,
     /// Work found since ksmd was last set going, not yet worth a sweep of its own.
@@ -483,6 +489,13 @@ impl Daemon {
         if config.dirty == DirtyMode::Auto {
             log::info!("dirty mode: {mode} (chosen automatically)");
         }
+        if mode != DirtyMode::HashOnly && offer.userfaultfd_allowed() {
+            if let Err(e) = guard::install() {
+                log::warn!(
+                    "a target that takes up userfaultfd itself while rksm write-protects it with one may see EBUSY: {e}"
+                );
+            }
+        }
         if !procfs::ksm_flag_reliable() {
             log::warn!(
                 "this kernel marks every anonymous page KSM in /proc/kpageflags (a kernel bug): rksm counts a frame as merged only when it is mapped more than once, so frames shared by fork count as merged too"
@@ -530,6 +543,7 @@ impl Daemon {
             eintr_risk_at_start: remote::eintr_risk(),
             borrows_at_start: remote::borrows(),
             rseq_aborts_at_start: remote::rseq_aborts(),
+            handovers_at_start: guard::installed().map_or(0, |g| g.given_up()),
             stopping: false,
             outsiders_seen: HashSet::new(),
             warned_short_of_files: None,
@@ -1250,6 +1264,8 @@ impl Daemon {
         s.eintr_risk = remote::eintr_risk() - self.eintr_risk_at_start;
         s.borrows = remote::borrows() - self.borrows_at_start;
         s.rseq_aborts = remote::rseq_aborts() - self.rseq_aborts_at_start;
+        s.userfaultfd_handovers =
+            guard::installed().map_or(0, |g| g.given_up()) - self.handovers_at_start;
         s.regions_backed_off = self
             .targets
             .values()

@@ -2,8 +2,10 @@
 //!
 //! [`tracefs`] checks the tracepoint's layout before anything is loaded, [`tracer`] loads and
 //! attaches the program and owns its maps, and [`recorder`] drains the ring into a log that the
-//! daemon and `rksm trace` both read.
+//! daemon and `rksm trace` both read. [`guard`] is the same object's other use: it steps
+//! rksm's userfaultfd aside for a target that takes up its own.
 
+pub mod guard;
 pub mod recorder;
 pub mod tracefs;
 pub mod tracer;

@@ -24,7 +24,8 @@ use rksm_common::{
 use crate::ebpf::tracefs::{self, TracefsError};
 
 /// The eBPF object built by `cargo xtask build` (empty if this binary was built without it).
-static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/rksm.bpf.o"));
+pub(crate) static EBPF_OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/rksm.bpf.o"));
 
 /// Errors loading or talking to the eBPF program.
 #[derive(Debug, thiserror::Error)]

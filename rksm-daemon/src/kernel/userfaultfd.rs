@@ -17,12 +17,17 @@
 //! When rksm exits, its uffd closes and the kernel drops the registration; the target never
 //! holds an extra fd. VMAs the target registered with a userfaultfd of its own cannot be
 //! registered again (`EBUSY`); they stay unarmed, and their pages are rehashed every pass.
+//! The other way round, a target that takes up userfaultfd while rksm holds one over its
+//! memory would get that `EBUSY`: rksm's userfaultfd is a [`Handover`], which the userfaultfd
+//! guard (`ebpf::guard`) closes from its own thread the moment the target reaches for one;
+//! closing it is what makes the kernel drop every registration, at once.
 
 use std::{
     collections::HashSet,
     fs::{self, File},
     io,
-    os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd},
+    os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd},
+    sync::{Arc, Mutex},
 };
 
 use rksm_common::PAGE_SIZE;
@@ -130,11 +135,46 @@ pub fn supported() -> bool {
     unsafe { uffdio_api(fd.as_raw_fd(), &mut api) }.is_ok()
 }
 
+/// rksm's userfaultfd for one target, which another thread may give up at any moment: the
+/// last close of a userfaultfd makes the kernel unregister it from every VMA of the target,
+/// and then nothing of rksm's stands in the way of the target's own `UFFDIO_REGISTER`.
+#[derive(Debug)]
+pub struct Handover {
+    fd: Mutex<Option<OwnedFd>>,
+}
+
+impl Handover {
+    fn new(fd: OwnedFd) -> Arc<Self> {
+        Arc::new(Handover {
+            fd: Mutex::new(Some(fd)),
+        })
+    }
+
+    /// Runs `f` with the userfaultfd, unless it was given up. The lock is held for `f` only
+    /// (one ioctl), so giving up waits at most for that.
+    fn with<R>(&self, f: impl FnOnce(RawFd) -> R) -> Option<R> {
+        let fd = self.fd.lock().unwrap_or_else(|e| e.into_inner());
+        fd.as_ref().map(|fd| f(fd.as_raw_fd()))
+    }
+
+    /// Closes the userfaultfd; when this returns, the kernel has dropped its registrations.
+    /// True if it was still held.
+    pub fn give_up(&self) -> bool {
+        let taken = self.fd.lock().unwrap_or_else(|e| e.into_inner()).take();
+        taken.is_some()
+    }
+
+    /// Whether it was given up.
+    pub fn given_up(&self) -> bool {
+        self.fd.lock().unwrap_or_else(|e| e.into_inner()).is_none()
+    }
+}
+
 /// One process's write-protect arming.
 #[derive(Debug)]
 pub struct Armed {
     pid: u32,
-    uffd: OwnedFd,
+    uffd: Arc<Handover>,
     pagemap: File,
     /// Ranges registered for write protection.
     registered: RangeSet,
@@ -212,7 +252,7 @@ impl Armed {
             })?;
         Ok(Armed {
             pid,
-            uffd,
+            uffd: Handover::new(uffd),
             pagemap,
             registered: RangeSet::default(),
             refused: RangeSet::default(),
@@ -237,10 +277,14 @@ impl Armed {
                 mode: UFFDIO_REGISTER_MODE_WP,
                 ioctls: 0,
             };
-            // SAFETY: a valid uffd and a properly laid out uffdio_register.
-            match unsafe { uffdio_register(self.uffd.as_raw_fd(), &mut reg) } {
-                Ok(_) => self.registered.insert(Range::new(vma.start, vma.end)),
-                Err(errno) => {
+            let registered = self.uffd.with(|fd| {
+                // SAFETY: a valid uffd and a properly laid out uffdio_register.
+                unsafe { uffdio_register(fd, &mut reg) }
+            });
+            match registered {
+                None => return,
+                Some(Ok(_)) => self.registered.insert(Range::new(vma.start, vma.end)),
+                Some(Err(errno)) => {
                     log::debug!(
                         "pid {}: cannot arm {:#x}-{:#x}: {errno}",
                         self.pid,
@@ -292,6 +336,17 @@ impl Armed {
         }
         lost.sort_unstable_by_key(|r| r.start);
         self.registered.remove(&lost);
+    }
+
+    /// The userfaultfd, for the guard that gives it up when the target takes up its own.
+    pub fn handover(&self) -> Arc<Handover> {
+        self.uffd.clone()
+    }
+
+    /// Whether the userfaultfd was given up (the target took up one of its own): nothing is
+    /// protected any more, and the target must be armed otherwise or hashed.
+    pub fn given_up(&self) -> bool {
+        self.uffd.given_up()
     }
 
     /// Ranges whose pages are write-protected after [`Armed::protect`].
@@ -360,8 +415,14 @@ impl Armed {
                     len: part.end - part.start,
                     mode: UFFDIO_WRITEPROTECT_MODE_WP,
                 };
-                // SAFETY: a valid uffd and a properly laid out uffdio_writeprotect.
-                if let Err(errno) = unsafe { uffdio_writeprotect(self.uffd.as_raw_fd(), &mut wp) } {
+                let done = self
+                    .uffd
+                    .with(|fd| {
+                        // SAFETY: a valid uffd and a properly laid out uffdio_writeprotect.
+                        unsafe { uffdio_writeprotect(fd, &mut wp) }
+                    })
+                    .unwrap_or(Err(nix::errno::Errno::EBADF));
+                if let Err(errno) = done {
                     log::debug!(
                         "pid {}: UFFDIO_WRITEPROTECT {:#x}-{:#x}: {errno}",
                         self.pid,

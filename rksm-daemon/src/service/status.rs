@@ -231,7 +231,7 @@ fn render(status: &Status, per_target: bool) -> String {
         )],
     );
     let last = status.last_pass.as_ref();
-    let daemon_wide: [(&str, &str, &str, f64); 21] = [
+    let daemon_wide: [(&str, &str, &str, f64); 22] = [
         (
             "full_scans",
             "counter",
@@ -291,6 +291,12 @@ fn render(status: &Status, per_target: bool) -> String {
             "counter",
             "Threads of targets stopped for remote system calls and let go.",
             c.borrows as f64,
+        ),
+        (
+            "userfaultfd_handovers",
+            "counter",
+            "Targets that took up userfaultfd themselves; rksm gave its own up first.",
+            c.userfaultfd_handovers as f64,
         ),
         (
             "rseq_aborts",

@@ -64,6 +64,10 @@ pub struct DirtyError {
     pub message: String,
 }
 
+/// Why a target that took up userfaultfd itself is not write-protected with one by rksm.
+const TOOK_UP_USERFAULTFD: &str =
+    "it took up userfaultfd itself, and rksm gave its own up before the process registered";
+
 /// A target's write protection, from its first pass on.
 #[derive(Debug, Default)]
 enum Arming {
@@ -194,10 +198,17 @@ impl DirtyState {
     /// Chooses and sets up the target's write protection if it has none yet; whether it is
     /// protected now.
     fn arm(&mut self, process: &Process, offer: &Offer, remote_syscalls: &mut u64) -> bool {
+        let pid = process.pid();
+        if matches!(&self.arming, Arming::Userfaultfd(armed) if armed.given_up()) {
+            // The guard gave rksm's userfaultfd up for the target's own: never again.
+            self.failed
+                .push((WriteProtect::Userfaultfd, TOOK_UP_USERFAULTFD.into()));
+            self.arming = Arming::NotYet;
+            self.protection = (WriteProtect::None, String::new());
+        }
         if !matches!(self.arming, Arming::NotYet) {
             return self.armed();
         }
-        let pid = process.pid();
         let plan = offer.plan(pid, self.soft_dirty_refused.as_deref());
         let mut failed = self.failed.clone();
         for source in plan.order.iter().copied() {

@@ -8,7 +8,8 @@
 //! What the kernel offers is probed once ([`Offer::probe`]); which source a target gets is
 //! decided per target ([`Offer::plan`]), because targets differ in what they use themselves:
 //! one that clears its own soft-dirty bits must not have them cleared again, and one that
-//! registers userfaultfds of its own is better left that facility whole. Where both are
+//! holds a userfaultfd of its own is never given rksm's, whose registrations would make its
+//! own fail (one that takes one up later is handed over to, see `ebpf::guard`). Where both are
 //! offered and nothing about the target decides, soft-dirty is preferred
 //! ([`PREFERRED_WHERE_BOTH`]): it borrows no thread and puts no fd in the target, and it
 //! cannot make the target's own `UFFDIO_REGISTER` fail with `EBUSY`; userfaultfd re-protects
@@ -92,6 +93,9 @@ pub struct NotOffered {
 /// Why the kernel offers no userfaultfd write protection.
 const NO_USERFAULTFD: &str =
     "this kernel has no asynchronous userfaultfd write protection (WP_ASYNC, Linux 6.7+)";
+/// Why a target holding a userfaultfd of its own is not armed with one.
+const OWN_USERFAULTFD: &str =
+    "it holds a userfaultfd of its own, whose registrations rksm's would make fail (EBUSY)";
 /// Why the kernel offers no soft-dirty bits.
 const NO_SOFT_DIRTY: &str =
     "this kernel keeps no soft-dirty bits (built without CONFIG_MEM_SOFT_DIRTY)";
@@ -111,7 +115,8 @@ impl Offer {
         self.userfaultfd_allowed() || self.soft_dirty_allowed()
     }
 
-    fn userfaultfd_allowed(&self) -> bool {
+    /// Whether targets may be write-protected with userfaultfd.
+    pub fn userfaultfd_allowed(&self) -> bool {
         self.userfaultfd && self.choice != WriteProtectChoice::SoftDirty
     }
 
@@ -164,12 +169,12 @@ impl Offer {
             Err(NO_USERFAULTFD.to_string())
         } else if self.choice == WriteProtectChoice::SoftDirty {
             Err("--write-protect soft-dirty".into())
+        } else if uses.userfaultfd {
+            Err(OWN_USERFAULTFD.into())
         } else {
             Ok(())
         };
-        // Where both are possible: the target's own userfaultfd decides, else the default.
-        let soft_dirty_first = soft_dirty.is_ok()
-            && (uses.userfaultfd || PREFERRED_WHERE_BOTH == WriteProtect::SoftDirty);
+        let soft_dirty_first = PREFERRED_WHERE_BOTH == WriteProtect::SoftDirty;
         let candidates = match soft_dirty_first {
             true => [
                 (WriteProtect::SoftDirty, soft_dirty),
@@ -180,13 +185,14 @@ impl Offer {
                 (WriteProtect::SoftDirty, soft_dirty),
             ],
         };
-        plan.first_because = match uses.userfaultfd {
-            true => "it uses a userfaultfd of its own, whose registrations rksm's would collide with".into(),
-            false => format!("preferred where the kernel offers both: {}", match PREFERRED_WHERE_BOTH {
-                WriteProtect::SoftDirty => "no borrowed thread, no fd in the target, no collision with its own userfaultfd",
+        plan.first_because = format!(
+            "preferred where the kernel offers both: {}",
+            match PREFERRED_WHERE_BOTH {
+                WriteProtect::SoftDirty =>
+                    "no borrowed thread, no fd in the target, no collision with its own userfaultfd",
                 _ => "it protects again only the pages written",
-            }),
-        };
+            }
+        );
         for (source, allowed) in candidates {
             match allowed {
                 Ok(()) => plan.order.push(source),
@@ -250,9 +256,12 @@ impl Plan {
 
     /// Why the target ends up with no source, from what was left out and what failed.
     pub fn why_none(&self, failed: &[(WriteProtect, String)]) -> String {
-        let reasons: Vec<String> = self
+        // What failed says more than why a source was left out: one reason per source.
+        let left_out = self
             .left_out
             .iter()
+            .filter(|(source, _)| failed.iter().all(|(s, _)| s != source));
+        let reasons: Vec<String> = left_out
             .chain(failed)
             .map(|(source, why)| format!("{source}: {why}"))
             .collect();
@@ -331,9 +340,13 @@ mod tests {
             ..TargetUse::default()
         };
         assert_eq!(
-            both.plan_with(&postcopy, None).order[0],
-            WriteProtect::SoftDirty
+            both.plan_with(&postcopy, None).order,
+            [WriteProtect::SoftDirty]
         );
+        // Where userfaultfd is all there is, it is left out all the same: hashed.
+        let plan = offer(true, false, WriteProtectChoice::Auto).plan_with(&postcopy, None);
+        assert!(plan.order.is_empty());
+        assert!(plan.why_none(&[]).contains("a userfaultfd of its own"));
         // A reason found earlier (someone else clears its bits) holds too.
         let plan = both.plan_with(&TargetUse::default(), Some("cleared by another"));
         assert_eq!(plan.order, [WriteProtect::Userfaultfd]);

@@ -9,6 +9,7 @@
 use std::collections::HashSet;
 
 use crate::{
+    ebpf::guard,
     engine::dirty::audit_slice,
     kernel::{
         limits,
@@ -50,6 +51,11 @@ pub(crate) fn arm(process: &Process, remote_syscalls: &mut u64) -> Result<Armed,
             session.finish()?;
             armed
         });
+    if let Ok(armed) = &armed {
+        if let Some(guard) = guard::installed() {
+            guard.hold(process.pid(), &armed.handover());
+        }
+    }
     armed.map_err(|e| match e {
         ArmError::Remote(
             RemoteError::Gone(_)
