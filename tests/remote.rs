@@ -508,3 +508,86 @@ fn a_thread_borrowed_inside_an_rseq_critical_section_aborts_it_as_the_kernel_wou
         "no borrow of {borrows} stopped a thread inside a section: the test proves nothing"
     );
 }
+
+/// Drops `CAP_SYS_RESOURCE` from the calling thread (capabilities are per thread), as the
+/// unit's bounding set leaves rksm without it.
+fn drop_sys_resource_in_this_thread() {
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: i32,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    let mut header = Header {
+        version: 0x2008_0522, // _LINUX_CAPABILITY_VERSION_3
+        pid: 0,
+    };
+    let mut data = [Data::default(); 2];
+    // SAFETY: capget/capset with a v3 header and two data words, as the kernel expects.
+    unsafe {
+        assert_eq!(
+            libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()),
+            0
+        );
+        let bit = 1 << 24; // CAP_SYS_RESOURCE
+        data[0].effective &= !bit;
+        data[0].permitted &= !bit;
+        assert_eq!(
+            libc::syscall(libc::SYS_capset, &mut header, data.as_ptr()),
+            0
+        );
+    }
+}
+
+fn oom_score_adj() -> i32 {
+    std::fs::read_to_string("/proc/self/oom_score_adj")
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn rksm_is_out_of_the_oom_killers_reach_only_while_it_holds_a_thread() {
+    require_root();
+    let mut child = TestChild::spawn();
+    let pid = child.pid();
+    assert!(asleep(pid));
+    // In a thread of its own: it gives up a capability, as the unit's rksm never has it.
+    std::thread::spawn(move || {
+        // What the unit's OOMScoreAdjust does before rksm starts (systemd has the capability).
+        if let Err(e) = std::fs::write("/proc/self/oom_score_adj", "-1000") {
+            eprintln!(
+                "skipped: this machine cannot lower oom_score_adj ({e}: no CAP_SYS_RESOURCE even for root); the kernel matrix's guests run it"
+            );
+            return;
+        }
+        drop_sys_resource_in_this_thread();
+        assert_eq!(rksm::kernel::oom::init().unwrap(), -1000);
+        assert!(
+            wait_for(Duration::from_secs(10), || oom_score_adj() == 0),
+            "rksm runs as an ordinary OOM candidate: {}",
+            oom_score_adj()
+        );
+        let mut session = RemoteSession::begin(&Process::open(pid).unwrap()).unwrap();
+        assert_eq!(oom_score_adj(), -1000, "not shielded while it holds a thread");
+        assert_eq!(session.syscall(nr::GETPID, &[]).unwrap(), i64::from(pid));
+        session.finish().unwrap();
+        assert!(
+            wait_for(Duration::from_secs(10), || oom_score_adj() == 0),
+            "still shielded after the borrow: {}",
+            oom_score_adj()
+        );
+    })
+    .join()
+    .unwrap();
+    let region = child.map(1);
+    child.write(region, 0, 1, 3);
+    assert!(child.verify(region, 0, 1, 3));
+}

@@ -180,6 +180,20 @@ const SUITES: &[Suite] = &[
         skip: &[],
     },
     Suite {
+        name: "remote",
+        only: &[
+            "rksm_is_out_of_the_oom_killers_reach_only_while_it_holds_a_thread",
+            "a_thread_borrowed_inside_an_rseq_critical_section_aborts_it_as_the_kernel_would",
+            "a_target_killed_while_borrowed_is_reported_gone_without_hanging",
+        ],
+        skip: &[],
+    },
+    Suite {
+        name: "handover",
+        only: &["a_target_that_registers_its_own_userfaultfd_seconds_later_gets_it_in_either_mode"],
+        skip: &[],
+    },
+    Suite {
         name: "trace",
         only: &["records_exactly_the_pages_written_after_attach_and_none_only_read"],
         skip: &[],

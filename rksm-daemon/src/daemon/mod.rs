@@ -50,7 +50,7 @@ use crate::{
     },
     kernel::{
         ksmd::{self, KsmdError, KsmdOwner},
-        limits,
+        limits, oom,
         process::{Process, ProcessId},
         procfs::{self, ProcfsError},
         ranges::{page_runs, Range},
@@ -421,6 +421,9 @@ impl Daemon {
     /// Resolves the targets, picks the dirty mode, and takes ksmd over (with the host's
     /// one-daemon lock, which [`KsmdOwner`] holds for as long as it owns ksmd).
     pub fn start(config: DaemonConfig) -> Result<Daemon, DaemonError> {
+        if let Err(e) = oom::init() {
+            log::warn!("/proc/self/oom_score_adj: {e}");
+        }
         match limits::raise_open_files() {
             Ok(limit) if limit.now > limit.was => log::info!(
                 "open files: soft limit raised from {} to the hard limit, {}",
@@ -1447,6 +1450,18 @@ impl Daemon {
     /// Stops: restores ksmd's settings and returns the final counters. Marked ranges stay
     /// marked and merged pages stay merged; the targets' userfaultfds close with rksm.
     pub fn finish(self) -> DaemonStats {
+        // Threads given up for missing a deadline are let go only by rksm: wait for them,
+        // bounded, before leaving (the kernel would let them go as they are).
+        let deadline = Instant::now() + LINGER_AT_EXIT;
+        while remote::reap_lingering() > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        match remote::reap_lingering() {
+            0 => {}
+            n => log::error!(
+                "{n} borrowed thread(s) did not stop within {LINGER_AT_EXIT:?} of stopping: they resume as the kernel leaves them when rksm exits"
+            ),
+        }
         let stats = self.stats.clone();
         if let Err(e) = self.ksmd.restore() {
             log::error!("restoring ksmd's settings: {e}");
@@ -1454,6 +1469,10 @@ impl Daemon {
         stats
     }
 }
+
+/// How long stopping waits for threads given up for missing a deadline (a call may take
+/// [`remote::CALL_DEADLINE`]; past that, something holds the thread in the kernel).
+pub const LINGER_AT_EXIT: Duration = Duration::from_secs(10);
 
 /// Pages in MiB.
 pub fn mib(pages: u64) -> f64 {

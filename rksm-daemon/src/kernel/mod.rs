@@ -4,6 +4,7 @@
 pub mod caps;
 pub mod ksmd;
 pub mod limits;
+pub mod oom;
 pub mod process;
 pub mod procfs;
 pub mod ranges;

@@ -16,8 +16,10 @@
 //! section is first sent to the section's abort handler, as the kernel would send it
 //! ([`rseq`]). A signal that arrives before the interrupt's
 //! stop is handed straight back with `PTRACE_CONT` (its siginfo intact); once stopped, every
-//! signal is blocked with `PTRACE_SETSIGMASK` for the length of the borrow, so nothing is
-//! dequeued and nothing needs resending, and the mask is put back exactly. A stop is taken as
+//! signal is blocked with `PTRACE_SETSIGMASK` for each injected call, so nothing is dequeued
+//! and nothing needs resending, and the mask (and the registers) are put back right after
+//! it: between calls the thread holds its own. While it holds a thread rksm is out of the
+//! OOM killer's reach ([`oom`]). A stop is taken as
 //! the injected call's only if the instruction pointer is past the `syscall`, `orig_rax` is
 //! the call's number and the code segment is 64-bit; retries are bounded. Every wait has a
 //! deadline: a thread that does not stop in time is given up, and it is let go (registers
@@ -41,6 +43,7 @@ use std::{
 use nix::{errno::Errno, sys::ptrace, unistd::Pid};
 
 use crate::kernel::{
+    oom,
     process::Process,
     procfs,
     reader::ProcMem,
@@ -546,6 +549,8 @@ struct Lingering {
     tracer: libc::pid_t,
     tid: Pid,
     restore: Option<(arch::Regs, Option<u64>)>,
+    /// rksm stays out of the OOM killer's reach while it holds the thread.
+    _shield: oom::Shield,
 }
 
 static LINGERING: Mutex<Vec<Lingering>> = Mutex::new(Vec::new());
@@ -672,6 +677,8 @@ pub struct RemoteSession {
     stop_signal: bool,
     calls: u64,
     released: bool,
+    /// rksm stays out of the OOM killer's reach while it holds the thread.
+    _shield: oom::Shield,
 }
 
 impl RemoteSession {
@@ -692,6 +699,7 @@ impl RemoteSession {
                 errno => RemoteError::Ptrace { pid, op, errno },
             }
         };
+        let shield = oom::Shield::raise();
         // Seize rather than attach: no SIGSTOP is sent, so nothing the target or its parent
         // can observe happens.
         ptrace::seize(tid, ptrace::Options::empty()).map_err(ptrace_err("seize"))?;
@@ -704,6 +712,7 @@ impl RemoteSession {
             stop_signal: false,
             calls: 0,
             released: false,
+            _shield: shield,
         };
         if let Err(errno) = ptrace::interrupt(tid) {
             session.released = true;
@@ -748,7 +757,6 @@ impl RemoteSession {
             }
         }
         let mask = sigmask(tid, None).map_err(ptrace_err("getsigmask"))?;
-        sigmask(tid, Some(!0)).map_err(ptrace_err("setsigmask"))?;
         session.saved_mask = Some(mask);
         session.saved = Some(regs);
         // Stopped, the thread can no longer exec; but it may have before we stopped it, and
@@ -824,15 +832,23 @@ impl RemoteSession {
                 errno => RemoteError::Ptrace { pid, op, errno },
             }
         };
-        let saved = self.saved.as_ref().ok_or(RemoteError::Gone(pid))?;
+        let (Some(saved), Some(mask)) = (self.saved, self.saved_mask) else {
+            return Err(RemoteError::Gone(pid));
+        };
         let mut a = [0u64; 6];
         a[..args.len()].copy_from_slice(args);
-        let regs = arch::call(saved, self.syscall_at, number, a);
+        let regs = arch::call(&saved, self.syscall_at, number, a);
         for _ in 0..CALL_ATTEMPTS {
+            // The call's registers and a full mask only for the step: between calls, while
+            // rksm does anything else, the thread holds its own, so that if rksm dies there
+            // (the kernel then lets the thread go as it is) nothing of the borrow is left.
             arch::set(self.tid, regs).map_err(err("setregs"))?;
+            sigmask(self.tid, Some(!0)).map_err(err("setsigmask"))?;
             ptrace::step(self.tid, None).map_err(err("singlestep"))?;
             self.wait_for_step()?;
             let after = arch::get(self.tid).map_err(err("getregs"))?;
+            arch::set(self.tid, saved).map_err(err("setregs"))?;
+            sigmask(self.tid, Some(mask)).map_err(err("setsigmask"))?;
             if let Some(result) = arch::result(&after, self.syscall_at, number) {
                 self.calls += 1;
                 return Ok(result);
@@ -853,6 +869,7 @@ impl RemoteSession {
                 tracer: gettid(),
                 tid: self.tid,
                 restore,
+                _shield: oom::Shield::raise(),
             });
         RemoteError::NoStop {
             pid: self.pid,
@@ -871,6 +888,7 @@ impl RemoteSession {
                 tracer: gettid(),
                 tid: self.tid,
                 restore: None,
+                _shield: oom::Shield::raise(),
             });
     }
 
