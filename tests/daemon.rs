@@ -1533,3 +1533,40 @@ fn a_write_between_the_scan_and_the_marking_is_hashed_next_pass() {
     );
     assert!(child.verify_unique(r, 7, 1, 99_777));
 }
+
+/// A target that executes another program (a set-id one, say) after it was looked at is
+/// never read as its new self: the reader reads only the address space it opened, and
+/// process_vm_readv, which reads whatever the pid runs now, is checked against it.
+#[test]
+fn memory_of_a_program_the_target_executed_after_it_was_opened_is_never_read() {
+    use rksm::kernel::reader::{read_pages, ProcMem};
+    require_root();
+    const AT: u64 = 0x5a5a_0000_0000;
+    let mut child = TestChild::spawn();
+    let pid = child.pid();
+    let before = child.map_at(1, AT);
+    child.write(before, 0, 1, 7);
+    let mem = ProcMem::open(pid).unwrap();
+    let read_once = |mem: &ProcMem| {
+        let mut out = vec![0u8; PAGE as usize];
+        let mut read = [false];
+        let result = read_pages(mem, &[AT], &[true], &mut out, &mut read);
+        (result.ok(), read[0], out)
+    };
+    let (n, read, old) = read_once(&mem);
+    assert_eq!((n, read), (Some(1), true), "the page before the exec");
+    // Same pid, a new program, and at the same address other content: its own.
+    assert_eq!(child.command("exec"), "ok");
+    let after = child.map_at(1, AT);
+    child.write(after, 0, 1, 99);
+    let (n, read, new) = read_once(&mem);
+    assert!(
+        !read && n.is_none(),
+        "read the new program's page through a reader opened before the exec (same content as before: {})",
+        new == old
+    );
+    // A reader opened now reads the new program, as a new target would.
+    let (n, read, _) = read_once(&ProcMem::open(pid).unwrap());
+    assert_eq!((n, read), (Some(1), true));
+    assert!(child.verify(after, 0, 1, 99));
+}

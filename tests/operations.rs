@@ -8,7 +8,7 @@ use std::{
     net::TcpStream,
     path::{Path, PathBuf},
     process::{Command, Output, Stdio},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use rksm_tests::{
@@ -938,4 +938,72 @@ fn a_hostile_host_configuration_changes_nothing_for_the_tools() {
         stderr.contains("rksm: info: pass 1 (ebpf): 2 targets"),
         "text logs at info level: {stderr}"
     );
+}
+
+/// A process run from a FUSE mount whose server stopped answering (a hung network mount, a
+/// user's `fusermount`) is a target like any other: anything that asks the file system about
+/// its executable waits for as long as the server is silent, and rksm asks nothing of it.
+#[test]
+fn a_target_run_from_a_fuse_mount_that_stopped_answering_holds_nothing_up() {
+    require_root();
+    let _turn = ksm_turn();
+    let fuse = rksm_tests::fuse::SilentFuse::mount(
+        "exe",
+        std::fs::read(rksm_tests::built_binary("rksm-testchild")).unwrap(),
+    );
+    let mut kids = vec![TestChild::spawn_from(&fuse.prog()), TestChild::spawn()];
+    let mut regions = Vec::new();
+    for child in &mut kids {
+        child.command("name rksm-onfuse");
+        let region = child.map(16);
+        child.write(region, 0, 16, 77);
+        regions.push(region);
+    }
+    // Its pages are cached; from now on a stat of the file waits for ever.
+    std::fs::read(fuse.prog()).unwrap();
+    fuse.silence();
+    let socket = PathBuf::from("/run/rksm-test-onfuse.sock");
+    let mut command = rksm_command();
+    command
+        .args(["--log-level", "warn", "daemon", "--comm", "^rksm-onfuse$"])
+        .args(["--interval", "0.2", "--json", "--socket"])
+        .arg(&socket)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let daemon = Running::spawn(&mut command);
+    let pid = daemon.id();
+    let passes_go_on = wait_for(Duration::from_secs(30), || {
+        status_json(&socket).is_some_and(|json| {
+            json["counters"]["full_scans"].as_u64() >= Some(10)
+                && json["counters"]["pages_sharing"].as_u64() >= Some(16)
+        })
+    });
+    // SIGTERM, and a bounded wait for the exit: a daemon stuck in the file system would not.
+    let asked = Instant::now();
+    // SAFETY: kill with a valid pid and signal.
+    unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+    let exited = wait_for(Duration::from_secs(5), || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map_or(true, |stat| stat.contains(") Z "))
+    });
+    let took = asked.elapsed();
+    if !exited {
+        // The test fails below; it must not hang on the way out: a request the server took
+        // is waited for even through SIGKILL, until the connection is aborted.
+        fuse.abort();
+        // SAFETY: as above.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    }
+    let output = daemon.wait();
+    assert!(
+        passes_go_on,
+        "passes stopped or nothing merged: {:?}",
+        status_json(&socket)
+    );
+    assert!(exited, "rksm did not exit within 5 s of SIGTERM");
+    eprintln!("rksm exited {took:?} after SIGTERM");
+    assert!(output.status.success(), "{output:?}");
+    for (child, region) in kids.iter_mut().zip(regions) {
+        assert!(child.verify(region, 0, 16, 77));
+    }
 }

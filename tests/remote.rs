@@ -268,6 +268,65 @@ fn an_event_loop_waiting_without_a_timeout_never_sees_eintr() {
 }
 
 #[test]
+fn an_event_loop_whose_sigterm_arrives_during_a_borrow_sees_its_eintr_and_stops() {
+    require_root();
+    for round in 0..20 {
+        let mut child = TestChild::spawn();
+        let pid = child.pid();
+        child.send("epollstop");
+        assert!(asleep_in(pid, libc::SYS_epoll_wait));
+        let process = Process::open(pid).unwrap();
+        let mut session = RemoteSession::begin(&process).expect("borrow");
+        // The signal comes while the thread is held: the kernel would have ended the wait
+        // with EINTR and run the handler; so must the thread once let go.
+        // SAFETY: kill with a valid pid and signal.
+        assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGTERM) }, 0);
+        assert_eq!(session.syscall(nr::GETPID, &[]).unwrap(), i64::from(pid));
+        session.finish().unwrap();
+        // Stopped, it replies and reads its next command.
+        assert!(
+            asleep_in(pid, libc::SYS_read),
+            "round {round}: the loop never saw its stop (the handler ran, the wait went on): {}",
+            blocked_syscall(pid)
+        );
+        assert!(child.reply().starts_with("stopped after"), "round {round}");
+    }
+}
+
+#[test]
+fn a_timed_wait_a_borrow_interrupts_goes_on_for_the_time_it_had_left() {
+    require_root();
+    let Ok(watch) = rksm::ebpf::waits::install() else {
+        eprintln!("skipped: the wait watch does not load here");
+        return;
+    };
+    let mut child = TestChild::spawn();
+    let pid = child.pid();
+    watch.watch(pid);
+    // Waits of 400 ms until a timer fires after 4 s, as an idle event loop between timers.
+    child.send("epoll 4000 400 longest");
+    assert!(asleep_in(pid, libc::SYS_epoll_wait));
+    let process = Process::open(pid).unwrap();
+    let before = remote::timed_restarts();
+    for _ in 0..15 {
+        assert!(asleep_in(pid, libc::SYS_epoll_wait));
+        borrow_once(&process);
+        std::thread::sleep(Duration::from_millis(150));
+    }
+    let reply = child.reply();
+    let words: Vec<&str> = reply.split_whitespace().collect();
+    assert_eq!(&words[..3], ["epoll", "eintr", "0"], "{reply}");
+    // Entered again with the full 400 ms, a wait cut short at 300 ms would last 700.
+    let longest: u64 = words[4].parse().unwrap();
+    assert!(
+        longest < 480,
+        "a wait was lengthened to {longest} ms: {reply}"
+    );
+    assert!(remote::timed_restarts() >= before + 15);
+    watch.unwatch(pid);
+}
+
+#[test]
 fn an_eintr_that_cannot_be_avoided_is_counted() {
     require_root();
     let mut child = TestChild::spawn();

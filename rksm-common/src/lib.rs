@@ -90,6 +90,26 @@ pub mod uffd_guard {
     pub const CLAIM_RING_BYTES: u32 = 16 << 10;
 }
 
+/// The wait watch: when the threads of rksm's targets entered their latest `epoll_wait` or
+/// `epoll_pwait` (CLOCK_MONOTONIC nanoseconds), for those of the processes in `WAITERS`
+/// (pid → CLOCK_MONOTONIC nanoseconds when it was added, older entries being another
+/// process's).
+pub mod waits {
+    /// Tracefs category of the system-call tracepoints.
+    pub const CATEGORY: &str = "syscalls";
+    /// Program names and their tracepoints.
+    pub const PROGRAMS: [(&str, &str); 2] = [
+        ("rksm_epoll_wait", "sys_enter_epoll_wait"),
+        ("rksm_epoll_pwait", "sys_enter_epoll_pwait"),
+    ];
+    /// `HashMap<u32 pid, u64 added_ns>`.
+    pub const WAITERS: &str = "RKSM_WAITERS";
+    /// `LruHashMap<u32 tid, u64 entered_ns>`.
+    pub const ENTERED: &str = "RKSM_WAIT_ENTERED";
+    /// Threads remembered at once (the least recently entered are forgotten first).
+    pub const MAX_WAITING_THREADS: u32 = 65536;
+}
+
 /// Default capacity of the tracked-process map.
 pub const MAX_TRACKED: u32 = 16384;
 /// Default size of the record ring in bytes (a power of two, a multiple of the page size).

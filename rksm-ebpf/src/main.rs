@@ -17,6 +17,7 @@
 use core::intrinsics::{atomic_xadd, AtomicOrdering};
 
 mod guard;
+mod waits;
 
 use aya_ebpf::{
     macros::{map, tracepoint},

@@ -9,6 +9,8 @@ use std::{
     time::{Duration, Instant},
 };
 
+pub mod fuse;
+
 /// Page size of the machines rksm runs on.
 pub const PAGE: u64 = 4096;
 
@@ -74,6 +76,11 @@ impl TestChild {
     /// Starts a child with no memory of its own beyond what a small program has.
     pub fn spawn() -> TestChild {
         Self::spawn_with(Command::new(built_binary("rksm-testchild")))
+    }
+
+    /// Starts the child program from `path` (a copy of it somewhere else).
+    pub fn spawn_from(path: &Path) -> TestChild {
+        Self::spawn_with(Command::new(path))
     }
 
     /// Starts a child running as user `nobody` (65534), without capabilities.

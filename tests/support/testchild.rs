@@ -32,7 +32,11 @@
 //! - `sleep MS` → `slept`: sleeps in `clock_nanosleep` (a restartable system call).
 //! - `epoll MS TIMEOUT` → `epoll eintr N`: waits in `epoll_wait` (TIMEOUT ms at a time, -1:
 //!   no timeout) until a timer fires after MS ms, and counts the waits that failed with EINTR,
-//!   as an event loop would see them.
+//!   as an event loop would see them; `epoll MS TIMEOUT longest` also gives the longest wait
+//!   that timed out, in ms (`epoll eintr N longest T`).
+//! - `epollstop` → `stopped after N waits`: sets a SIGTERM handler (SA_RESTART, which
+//!   `epoll_wait` ignores) that sets a flag, then loops `while (!stop) epoll_wait(-1)`, as
+//!   an event loop does.
 //! - `signals N` → `signals ok` or `signals wrong ...`: takes N queued SIGRTMIN signals whose
 //!   `si_value` must count 0, 1, 2, ... with `si_code` SI_QUEUE (`sigqueue` from the test),
 //!   waiting up to 60 s for all of them.
@@ -505,6 +509,33 @@ fn run(line: &str, regions: &mut Vec<Region>) -> Result<String, String> {
             Ok(format!("threads {:#x}", COUNTER.as_ptr() as usize))
         }
         Some("rseq") => rseq_counter::run(num(1)?, num(2)? as usize, num(3)?),
+        Some("epollstop") => {
+            static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+            extern "C" fn on_term(_: libc::c_int) {
+                STOP.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+            // SAFETY: a handler that only stores to an atomic; epoll_create1 returns a new fd
+            // and the event buffer outlives each wait.
+            unsafe {
+                let mut action: libc::sigaction = std::mem::zeroed();
+                action.sa_sigaction = on_term as *const () as usize;
+                action.sa_flags = libc::SA_RESTART;
+                if libc::sigaction(libc::SIGTERM, &action, std::ptr::null_mut()) != 0 {
+                    return Err(format!("sigaction: {}", io::Error::last_os_error()));
+                }
+                let ep = libc::epoll_create1(0);
+                let mut event = libc::epoll_event { events: 0, u64: 0 };
+                let mut waits = 0u64;
+                // The loop of a daemon that waits for events with no timeout and relies on
+                // its SIGTERM handler's EINTR to notice that it must stop.
+                while !STOP.load(std::sync::atomic::Ordering::SeqCst) {
+                    libc::epoll_wait(ep, &mut event, 1, -1);
+                    waits += 1;
+                }
+                libc::close(ep);
+                Ok(format!("stopped after {waits} waits"))
+            }
+        }
         Some("sleep") => {
             std::thread::sleep(std::time::Duration::from_millis(num(1)?));
             Ok("slept".into())
@@ -529,10 +560,15 @@ fn run(line: &str, regions: &mut Vec<Region>) -> Result<String, String> {
                 };
                 libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, timer, &mut event);
                 let mut eintr = 0;
+                let mut longest = std::time::Duration::ZERO;
                 loop {
+                    let entered = std::time::Instant::now();
                     let n = libc::epoll_wait(ep, &mut event, 1, timeout);
                     if n > 0 {
                         break;
+                    }
+                    if n == 0 {
+                        longest = longest.max(entered.elapsed());
                     }
                     if n < 0 && io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) {
                         eintr += 1;
@@ -540,7 +576,12 @@ fn run(line: &str, regions: &mut Vec<Region>) -> Result<String, String> {
                 }
                 libc::close(timer);
                 libc::close(ep);
-                Ok(format!("epoll eintr {eintr}"))
+                Ok(match words.get(3) {
+                    Some(&"longest") => {
+                        format!("epoll eintr {eintr} longest {}", longest.as_millis())
+                    }
+                    _ => format!("epoll eintr {eintr}"),
+                })
             }
         }
         Some("signals") => {

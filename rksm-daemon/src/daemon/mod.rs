@@ -36,6 +36,7 @@ use crate::{
         guard,
         recorder::Recorder,
         tracer::{Tracer, TracerConfig, TracerError},
+        waits,
     },
     engine::{
         checksum::{ChecksumKind, NO_CHECKSUM},
@@ -206,6 +207,10 @@ pub struct DaemonStats {
     /// the kernel would have sent them.
     #[serde(default)]
     pub rseq_aborts: u64,
+    /// Timed waits (`epoll_wait`) a borrow interrupted that were entered again with the time
+    /// they had left, rather than return EINTR.
+    #[serde(default)]
+    pub timed_restarts: u64,
     /// Targets that took up userfaultfd themselves while rksm write-protected them with one:
     /// rksm gave its own up before their registration.
     #[serde(default)]
@@ -408,6 +413,7 @@ pub struct Daemon {
     eintr_risk_at_start: u64,
     borrows_at_start: u64,
     rseq_aborts_at_start: u64,
+    timed_restarts_at_start: u64,
     handovers_at_start: u64,
     /// ksmd is paced to the marked set until its `full_scans` reaches this.
     ksmd_busy_until: u64,
@@ -492,6 +498,11 @@ impl Daemon {
         if config.dirty == DirtyMode::Auto {
             log::info!("dirty mode: {mode} (chosen automatically)");
         }
+        if let Err(e) = waits::install() {
+            log::info!(
+                "no wait watch ({e}): a timed epoll_wait a borrow interrupts returns EINTR (counted in eintr_risk)"
+            );
+        }
         if mode != DirtyMode::HashOnly && offer.userfaultfd_allowed() {
             if let Err(e) = guard::install() {
                 log::warn!(
@@ -546,6 +557,7 @@ impl Daemon {
             eintr_risk_at_start: remote::eintr_risk(),
             borrows_at_start: remote::borrows(),
             rseq_aborts_at_start: remote::rseq_aborts(),
+            timed_restarts_at_start: remote::timed_restarts(),
             handovers_at_start: guard::installed().map_or(0, |g| g.given_up()),
             stopping: false,
             outsiders_seen: HashSet::new(),
@@ -700,6 +712,9 @@ impl Daemon {
                     log::warn!("tracer cannot track pid {pid}: {e}");
                 }
             }
+            if let Some(watch) = waits::installed() {
+                watch.watch(pid);
+            }
             self.targets.insert(pid, target);
         }
         if short > 0 {
@@ -712,6 +727,9 @@ impl Daemon {
         let Some(mut target) = self.targets.remove(&pid) else {
             return;
         };
+        if let Some(watch) = waits::installed() {
+            watch.unwatch(pid);
+        }
         self.scanner.forget(&mut target);
         if let Some(recorder) = &self.recorder {
             recorder.borrow_mut().forget(pid);
@@ -1267,6 +1285,7 @@ impl Daemon {
         s.eintr_risk = remote::eintr_risk() - self.eintr_risk_at_start;
         s.borrows = remote::borrows() - self.borrows_at_start;
         s.rseq_aborts = remote::rseq_aborts() - self.rseq_aborts_at_start;
+        s.timed_restarts = remote::timed_restarts() - self.timed_restarts_at_start;
         s.userfaultfd_handovers =
             guard::installed().map_or(0, |g| g.given_up()) - self.handovers_at_start;
         s.regions_backed_off = self

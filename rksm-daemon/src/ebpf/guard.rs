@@ -44,7 +44,7 @@ use crate::{
     kernel::userfaultfd::Handover,
 };
 
-/// Errors installing the guard.
+/// Errors installing the guard (or the wait watch, which loads the same way).
 #[derive(Debug, thiserror::Error)]
 pub enum GuardError {
     /// The binary was built without the eBPF object.
@@ -57,19 +57,19 @@ pub enum GuardError {
     #[error("{0}")]
     Layout(String),
     /// The kernel refused the object.
-    #[error("loading the userfaultfd guard failed: {0}")]
+    #[error("loading the eBPF object failed: {0}")]
     Load(#[from] EbpfError),
     /// The kernel refused a program.
-    #[error("attaching the userfaultfd guard to {CATEGORY}:{1} failed: {0}")]
+    #[error("attaching to {CATEGORY}:{1} failed: {0}")]
     Attach(ProgramError, &'static str),
     /// A map is missing or of the wrong kind.
-    #[error("userfaultfd guard map {0}: {1}")]
+    #[error("eBPF map {0}: {1}")]
     Map(&'static str, MapError),
     /// The object lacks a program or map (object and daemon out of sync).
     #[error("the eBPF object has no {0}; rebuild with `cargo xtask build`")]
     Missing(&'static str),
     /// The thread that serves claims could not start.
-    #[error("starting the userfaultfd guard's thread: {0}")]
+    #[error("starting the guard's thread: {0}")]
     Thread(std::io::Error),
 }
 

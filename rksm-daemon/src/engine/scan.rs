@@ -993,11 +993,18 @@ impl Scanner {
         let opened = Pagemap::open(pid)
             .map_err(ProcessScanError::from)
             .and_then(|pagemap| {
+                let mem = ProcMem::open(pid)?;
+                // Opened on the address space the target has now: if that is another
+                // program's since the target was adopted (a set-id one, which may also be
+                // another domain's), it is not read. Later execs are caught by the reader.
+                if scan.target.process().has_new_image() {
+                    return Err(ProcessScanError::Gone);
+                }
                 Ok(Open {
                     pid,
                     domain: scan.target.domain(),
                     pagemap,
-                    mem: Arc::new(ProcMem::open(pid)?),
+                    mem: Arc::new(mem),
                 })
             });
         let open = match opened {

@@ -75,7 +75,8 @@ impl ProcMem {
 
 /// Reads `addrs` (page-aligned) of the process behind `mem` into `out`, page `i` at
 /// `out[i * 4096..]`, and sets `read[i]` for every page read in full; pages that vanished are
-/// left unset. Pages with `mapped_once[i]` are read in batches with `process_vm_readv`; the
+/// left unset. Only the address space `mem` was opened on is read: once the process has
+/// executed another program, nothing is, and the process counts as gone. Pages with `mapped_once[i]` are read in batches with `process_vm_readv`; the
 /// others one by one through /proc/PID/mem, so that reading never unshares them. Returns how
 /// many pages were read.
 pub fn read_pages(
@@ -99,12 +100,24 @@ pub fn read_pages(
             .find(|&j| mapped_once[j] != pinnable)
             .unwrap_or(addrs.len());
         if pinnable {
-            done += vm_readv(
+            let n = vm_readv(
                 mem.pid,
                 &addrs[i..end],
                 &mut out[i * PAGE..end * PAGE],
                 &mut read[i..end],
             )?;
+            // process_vm_readv reads whatever the pid runs now; /proc/PID/mem, the address
+            // space it was opened on. A page the former just read that the latter can still
+            // read proves both are the same: the process has not executed another program
+            // (a set-id one, perhaps) since `mem` was opened, and what was read is its.
+            if let Some(first) = (i..end).find(|&j| read[j]) {
+                let mut byte = [0u8; 1];
+                if !mem.read_at(addrs[first], &mut byte) {
+                    read[i..end].fill(false);
+                    return Err(ReaderError::Gone(mem.pid));
+                }
+            }
+            done += n;
         } else {
             for j in i..end {
                 read[j] = mem.read_page(addrs[j], &mut out[j * PAGE..(j + 1) * PAGE]);

@@ -35,7 +35,7 @@ use std::{
     fmt, fs,
     sync::{
         atomic::{AtomicU64, Ordering},
-        Mutex,
+        Mutex, OnceLock,
     },
     time::{Duration, Instant},
 };
@@ -79,6 +79,36 @@ static EINTR_RISK: AtomicU64 = AtomicU64::new(0);
 
 /// Threads borrowed (stopped and let go again), process-wide.
 static BORROWS: AtomicU64 = AtomicU64::new(0);
+
+/// Where the entry time of a thread's current wait comes from: `(pid, tid)` → CLOCK_MONOTONIC
+/// nanoseconds at entry (the eBPF wait watch, when loaded).
+static CALL_ENTRY: OnceLock<fn(u32, u32) -> Option<u64>> = OnceLock::new();
+
+/// Waits a borrow cut short that were entered again with the time they had left.
+static TIMED_RESTARTS: AtomicU64 = AtomicU64::new(0);
+
+/// Gives the borrow the entry times of the targets' waits, so that a timed `epoll_wait` it
+/// interrupts is entered again with the time it had left rather than return EINTR.
+pub fn set_call_entry(source: fn(u32, u32) -> Option<u64>) {
+    let _ = CALL_ENTRY.set(source);
+}
+
+/// CLOCK_MONOTONIC in nanoseconds: the clock of the kernel's timeouts and of
+/// `bpf_ktime_get_ns`.
+pub fn monotonic_ns() -> u64 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec, `now`.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
+}
+
+/// Timed waits a borrow interrupted and entered again with the time they had left.
+pub fn timed_restarts() -> u64 {
+    TIMED_RESTARTS.load(Ordering::Relaxed)
+}
 
 /// Borrowed threads found inside an rseq critical section and sent to its abort handler.
 static RSEQ_ABORTS: AtomicU64 = AtomicU64::new(0);
@@ -128,16 +158,28 @@ mod arch {
         regs.rip.wrapping_sub(SYSCALL.len() as u64)
     }
 
-    /// `regs`, made to enter the call they were interrupted in again, as the kernel does
-    /// for -ERESTARTSYS: back onto the `syscall`, the number in rax.
+    /// `regs`, made to look like a call the kernel restarts unless a signal handler runs
+    /// (-ERESTARTNOHAND): when the thread is let go, the kernel itself either enters the
+    /// call again or, if a handler is to run first, makes it return EINTR, as it would
+    /// have without rksm.
     pub fn restart(regs: &mut Regs) {
-        regs.rip = call_site(regs);
-        regs.rax = regs.orig_rax;
+        const ERESTARTNOHAND: i64 = 514;
+        regs.rax = (-ERESTARTNOHAND) as u64;
     }
 
     /// The fourth argument (`epoll_wait`'s timeout).
     pub fn arg4(regs: &Regs) -> u64 {
         regs.r10
+    }
+
+    /// Sets the fourth argument, for a call entered again.
+    pub fn set_arg4(regs: &mut Regs, value: u64) {
+        regs.r10 = value;
+    }
+
+    /// Makes the interrupted call return `value`.
+    pub fn set_result(regs: &mut Regs, value: i64) {
+        regs.rax = value as u64;
     }
 
     /// The instruction pointer.
@@ -217,6 +259,10 @@ mod arch {
     pub fn arg4(_regs: &Regs) -> u64 {
         0
     }
+
+    pub fn set_arg4(_regs: &mut Regs, _value: u64) {}
+
+    pub fn set_result(_regs: &mut Regs, _value: i64) {}
 
     pub fn ip(_regs: &Regs) -> u64 {
         0
@@ -782,7 +828,8 @@ impl RemoteSession {
 
     /// If the interrupt cut a call short with EINTR: an `epoll_wait` with no timeout is
     /// entered again when the thread is let go (it would have gone on waiting: nothing
-    /// changes for it), anything else is counted in [`eintr_risk`].
+    /// changes for it), unless a signal handler is to run then, in which case it returns
+    /// EINTR as it would have; anything else is counted in [`eintr_risk`].
     fn settle_interrupted_call(&mut self) {
         let Some(regs) = self.saved.as_mut() else {
             return;
@@ -801,8 +848,28 @@ impl RemoteSession {
             libc::SYS_epoll_pwait2 => timeout == 0,
             _ => false,
         };
+        // A timed wait whose entry the wait watch saw: entered again until the time it was
+        // due to end (rounded up to the millisecond, never earlier), or, if that has passed,
+        // ended as the kernel would have ended it, with no event.
+        let timed =
+            matches!(nr, libc::SYS_epoll_wait | libc::SYS_epoll_pwait) && (timeout as i32) > 0;
+        let entered = CALL_ENTRY
+            .get()
+            .filter(|_| timed && is_syscall)
+            .and_then(|entry| entry(self.pid, self.tid.as_raw() as u32));
         if is_syscall && waits_forever {
             arch::restart(regs);
+        } else if let Some(entered) = entered {
+            let due = entered + (timeout as i32) as u64 * 1_000_000;
+            let now = monotonic_ns();
+            match due.checked_sub(now) {
+                Some(left) if left > 0 => {
+                    arch::set_arg4(regs, left.div_ceil(1_000_000));
+                    arch::restart(regs);
+                }
+                _ => arch::set_result(regs, 0),
+            }
+            TIMED_RESTARTS.fetch_add(1, Ordering::Relaxed);
         } else {
             EINTR_RISK.fetch_add(1, Ordering::Relaxed);
             log::debug!(

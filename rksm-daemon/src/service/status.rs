@@ -231,7 +231,7 @@ fn render(status: &Status, per_target: bool) -> String {
         )],
     );
     let last = status.last_pass.as_ref();
-    let daemon_wide: [(&str, &str, &str, f64); 22] = [
+    let daemon_wide: [(&str, &str, &str, f64); 23] = [
         (
             "full_scans",
             "counter",
@@ -297,6 +297,12 @@ fn render(status: &Status, per_target: bool) -> String {
             "counter",
             "Targets that took up userfaultfd themselves; rksm gave its own up first.",
             c.userfaultfd_handovers as f64,
+        ),
+        (
+            "timed_restarts",
+            "counter",
+            "Timed waits a borrow interrupted, entered again with the time they had left.",
+            c.timed_restarts as f64,
         ),
         (
             "rseq_aborts",
