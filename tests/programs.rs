@@ -492,8 +492,13 @@ fn an_idle_event_loop_sees_no_eintr_and_queued_signals_arrive_intact() {
     let _turn = ksm_turn();
     let mut idle = TestChild::spawn();
     let mut flooded = TestChild::spawn();
-    let regions = [idle.map(256), flooded.map(256)];
-    let pids = [idle.pid_from_proc(), flooded.pid_from_proc()];
+    let mut timed = TestChild::spawn();
+    let regions = [idle.map(256), flooded.map(256), timed.map(256)];
+    let pids = [
+        idle.pid_from_proc(),
+        flooded.pid_from_proc(),
+        timed.pid_from_proc(),
+    ];
     let daemon = Daemon::pids(&pids);
     assert!(wait_for(Duration::from_secs(10), || daemon.passes() >= 1));
     let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -504,6 +509,8 @@ fn an_idle_event_loop_sees_no_eintr_and_queued_signals_arrive_intact() {
         .collect();
     let passes_before = daemon.passes();
     idle.send("epoll 6000 -1");
+    // An event loop between timers: waits of 50 ms.
+    timed.send("epoll 6000 50 longest");
     flooded.send("signals 20000");
     assert_eq!(flooded.reply(), "listening");
     for value in 0..20_000u64 {
@@ -517,6 +524,7 @@ fn an_idle_event_loop_sees_no_eintr_and_queued_signals_arrive_intact() {
     }
     let signals = flooded.reply();
     let epoll = idle.reply();
+    let timed_epoll = timed.reply();
     done.store(true, std::sync::atomic::Ordering::SeqCst);
     for m in makers {
         m.join().unwrap();
@@ -525,6 +533,10 @@ fn an_idle_event_loop_sees_no_eintr_and_queued_signals_arrive_intact() {
     let stats = daemon.stop();
     assert_eq!(signals, "signals ok");
     assert_eq!(epoll, "epoll eintr 0");
+    assert!(
+        timed_epoll.starts_with("epoll eintr 0 "),
+        "{timed_epoll}: {stats}"
+    );
     assert!(passes >= 10, "only {passes} passes meanwhile");
     assert!(
         stats["remote_syscalls"].as_u64().unwrap() >= 10,

@@ -531,7 +531,8 @@ fn a_32bit_process_is_refused_untouched() {
 fn a_thread_borrowed_inside_an_rseq_critical_section_aborts_it_as_the_kernel_would() {
     require_root();
     let mut child = TestChild::spawn();
-    let pid = child.pid();
+    // Its answer proves it runs its own program (the exec is done).
+    let pid = child.pid_from_proc();
     // Two threads share CPU 0 and one counter; the sections are long, so most borrows stop
     // a thread inside one while the other keeps adding.
     child.send("rseq 6000 2 3000");

@@ -730,6 +730,9 @@ impl Daemon {
         if let Some(watch) = waits::installed() {
             watch.unwatch(pid);
         }
+        if let Some(guard) = guard::installed() {
+            guard.forget(pid);
+        }
         self.scanner.forget(&mut target);
         if let Some(recorder) = &self.recorder {
             recorder.borrow_mut().forget(pid);

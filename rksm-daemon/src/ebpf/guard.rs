@@ -207,19 +207,28 @@ impl UffdGuard {
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         let mut held = self.shared.held.lock().unwrap_or_else(|e| e.into_inner());
-        // Targets that went away: their entries go with them.
-        handovers.retain(|&gone, weak| {
-            let live = weak.strong_count() > 0;
-            if !live {
-                let _ = held.remove(&gone);
-            }
-            live
-        });
         handovers.insert(pid, Arc::downgrade(handover));
         if let Err(e) = held.insert(pid, 0, 0) {
             log::warn!(
                 "pid {pid}: not guarded ({e}): if it registers a userfaultfd of its own it may fail with EBUSY"
             );
+        }
+    }
+
+    /// Stops watching `pid` (it is no longer a target).
+    pub fn forget(&self, pid: u32) {
+        let mut handovers = self
+            .shared
+            .handovers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if handovers.remove(&pid).is_some() {
+            let _ = self
+                .shared
+                .held
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&pid);
         }
     }
 
