@@ -28,8 +28,10 @@
 //! The thread borrowed is the one least likely to notice: one running in user space, or
 //! asleep in a call the kernel restarts by itself, before one asleep in a call that returns
 //! EINTR when interrupted (`epoll_wait`, socket calls with timeouts, SysV IPC, io_uring). If
-//! such a call was interrupted anyway, an `epoll_wait` without a timeout is restarted as the
-//! kernel restarts its own calls; any other is counted in [`eintr_risk`].
+//! such a call was interrupted anyway, an `epoll_wait` or `epoll_pwait` is handed back to the
+//! kernel as a call to restart (`-ERESTARTNOHAND`: it returns EINTR only if a signal handler
+//! runs, as it would have), with the time it had left if it had a timeout and its entry was
+//! seen ([`set_call_entry`]); any other is counted in [`eintr_risk`].
 
 use std::{
     fmt, fs,
