@@ -67,6 +67,18 @@ impl ProcMem {
         matches!(self.file.read_at(&mut buf[..PAGE], addr), Ok(PAGE))
     }
 
+    /// Whether the address space this file was opened on is still the process's, asked by
+    /// reading one byte at `addr`: once the process executed another program the file reads
+    /// nothing at all (`Some(false)`); `None` if `addr` is not mapped any more.
+    pub fn same_space(&self, addr: u64) -> Option<bool> {
+        let mut byte = [0u8; 1];
+        match self.file.read_at(&mut byte, addr) {
+            Ok(0) => Some(false),
+            Ok(_) => Some(true),
+            Err(_) => None,
+        }
+    }
+
     /// Reads `buf.len()` bytes at `addr`; false unless all of them were read.
     pub fn read_at(&self, addr: u64, buf: &mut [u8]) -> bool {
         self.file.read_exact_at(buf, addr).is_ok()
@@ -76,7 +88,8 @@ impl ProcMem {
 /// Reads `addrs` (page-aligned) of the process behind `mem` into `out`, page `i` at
 /// `out[i * 4096..]`, and sets `read[i]` for every page read in full; pages that vanished are
 /// left unset. Only the address space `mem` was opened on is read: once the process has
-/// executed another program, nothing is, and the process counts as gone. Pages with `mapped_once[i]` are read in batches with `process_vm_readv`; the
+/// executed another program, nothing is, and the process counts as gone. Pages with
+/// `mapped_once[i]` are read in batches with `process_vm_readv`; the
 /// others one by one through /proc/PID/mem, so that reading never unshares them. Returns how
 /// many pages were read.
 pub fn read_pages(
@@ -110,14 +123,19 @@ pub fn read_pages(
             // space it was opened on. A page the former just read that the latter can still
             // read proves both are the same: the process has not executed another program
             // (a set-id one, perhaps) since `mem` was opened, and what was read is its.
-            if let Some(first) = (i..end).find(|&j| read[j]) {
-                let mut byte = [0u8; 1];
-                if !mem.read_at(addrs[first], &mut byte) {
+            match (i..end)
+                .find(|&j| read[j])
+                .map(|j| mem.same_space(addrs[j]))
+            {
+                Some(Some(false)) => {
                     read[i..end].fill(false);
                     return Err(ReaderError::Gone(mem.pid));
                 }
+                // Unmapped meanwhile: which address space was read cannot be told; nothing
+                // of this stretch is used (it is read again next pass).
+                Some(None) => read[i..end].fill(false),
+                _ => done += n,
             }
-            done += n;
         } else {
             for j in i..end {
                 read[j] = mem.read_page(addrs[j], &mut out[j * PAGE..(j + 1) * PAGE]);
