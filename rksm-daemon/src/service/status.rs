@@ -841,10 +841,34 @@ fn answer_http(mut stream: TcpStream, status: &Status, token: Option<&str>) -> i
 }
 
 /// Writes the public metrics to `path` for node_exporter's textfile collector: to a
-/// temporary file beside it, then renamed over it, so the collector never reads half.
+/// temporary file beside it, then renamed over it, so the collector never reads half. The
+/// directory may be writable by others (a textfile directory shared with other exporters):
+/// the temporary file is created new, never through a link someone planted there (a
+/// regular file left by a crash is removed first; anything else is refused), and made
+/// readable by all (0644, whatever rksm's umask), since the collector runs as another user.
 pub fn write_textfile(path: &Path, status: &Status) -> io::Result<()> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
     let tmp = path.with_extension("prom.tmp");
-    std::fs::write(&tmp, render_public_metrics(status))?;
+    match std::fs::symlink_metadata(&tmp) {
+        Ok(meta) if meta.file_type().is_file() => std::fs::remove_file(&tmp)?,
+        Ok(_) => {
+            return Err(io::Error::other(format!(
+                "{} exists and is not a regular file; left alone",
+                tmp.display()
+            )))
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .mode(0o644)
+        .open(&tmp)?;
+    file.set_permissions(std::fs::Permissions::from_mode(0o644))?;
+    file.write_all(render_public_metrics(status).as_bytes())?;
+    drop(file);
     std::fs::rename(&tmp, path)
 }
 
@@ -879,6 +903,46 @@ pub fn query(socket: &Path) -> Result<Status, StatusError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A scratch directory of this test's own.
+    fn scratch(name: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("rksm-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn the_textfile_never_follows_a_planted_link_and_others_can_read_it() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = scratch("textfile");
+        let path = dir.join("rksm.prom");
+        let victim = dir.join("victim");
+        std::fs::write(&victim, "precious").unwrap();
+        // Someone who can write to the directory plants a link where the temporary goes.
+        std::os::unix::fs::symlink(&victim, path.with_extension("prom.tmp")).unwrap();
+        let refused = write_textfile(&path, &Status::default()).unwrap_err();
+        assert!(
+            refused.to_string().contains("not a regular file"),
+            "{refused}"
+        );
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+        // A regular file left behind (a crash) is replaced, and the result is 0644 under
+        // the unit's umask.
+        std::fs::remove_file(path.with_extension("prom.tmp")).unwrap();
+        std::fs::write(path.with_extension("prom.tmp"), "half").unwrap();
+        // SAFETY: umask only changes this process's file creation mask.
+        let old = unsafe { libc::umask(0o077) };
+        let written = write_textfile(&path, &Status::default());
+        // SAFETY: as above.
+        unsafe { libc::umask(old) };
+        written.unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o644);
+        assert!(std::fs::read_to_string(&path).unwrap().contains("rksm_"));
+        assert!(!path.with_extension("prom.tmp").exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     fn sample() -> Status {
         let mut status = Status {
