@@ -204,7 +204,11 @@ fn own_userfaultfd(r: Region, mode: &str) -> Result<(), String> {
     // SAFETY: userfaultfd returns a new fd; the ioctls get correctly laid out structs that
     // outlive the calls.
     unsafe {
-        let fd = libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) as i32;
+        // UFFD_USER_MODE_ONLY (1): what an unprivileged process may create.
+        let fd = libc::syscall(
+            libc::SYS_userfaultfd,
+            libc::O_CLOEXEC | libc::O_NONBLOCK | 1,
+        ) as i32;
         if fd < 0 {
             return Err(errno());
         }
@@ -689,42 +693,8 @@ fn run(line: &str, regions: &mut Vec<Region>) -> Result<String, String> {
             }
         }
         Some("uffd") => {
-            let r = region(num(1)?)?;
-            #[repr(C)]
-            struct Api {
-                api: u64,
-                features: u64,
-                ioctls: u64,
-            }
-            #[repr(C)]
-            struct Register {
-                start: u64,
-                len: u64,
-                mode: u64,
-                ioctls: u64,
-            }
-            // SAFETY: userfaultfd returns a new fd; the ioctls get correctly laid out structs
-            // that outlive the calls. The fd is kept open on purpose for the child's lifetime.
-            unsafe {
-                let fd = libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | 1) as i32;
-                let mut api = Api {
-                    api: 0xAA,
-                    features: 0,
-                    ioctls: 0,
-                };
-                let mut reg = Register {
-                    start: r.base as u64,
-                    len: (r.pages * PAGE) as u64,
-                    mode: 1,
-                    ioctls: 0,
-                };
-                if fd < 0
-                    || libc::ioctl(fd, 0xc018_aa3f, &mut api) != 0
-                    || libc::ioctl(fd, 0xc020_aa00, &mut reg) != 0
-                {
-                    return Err(format!("userfaultfd: {}", io::Error::last_os_error()));
-                }
-            }
+            own_userfaultfd(region(num(1)?)?, "missing")
+                .map_err(|e| format!("userfaultfd: {e}"))?;
             Ok("ok".into())
         }
         Some("ownuffd") => {
