@@ -408,12 +408,9 @@ pub struct Daemon {
     self_marked_warned: HashSet<ProcessId>,
     /// More than one merge domain among the targets and the mergeable outsiders.
     several_domains: bool,
-    /// [`remote::eintr_risk`], [`remote::borrows`] and [`remote::rseq_aborts`] when the daemon started (the counters
-    /// are process-wide).
-    eintr_risk_at_start: u64,
-    borrows_at_start: u64,
-    rseq_aborts_at_start: u64,
-    timed_restarts_at_start: u64,
+    /// The borrows' process-wide counters, and the guard's handovers, when the daemon
+    /// started: its own are the difference.
+    borrows_at_start: remote::BorrowCounters,
     handovers_at_start: u64,
     /// ksmd is paced to the marked set until its `full_scans` reaches this.
     ksmd_busy_until: u64,
@@ -554,10 +551,7 @@ impl Daemon {
                 ..DaemonStats::default()
             },
             marking_syscalls: 0,
-            eintr_risk_at_start: remote::eintr_risk(),
-            borrows_at_start: remote::borrows(),
-            rseq_aborts_at_start: remote::rseq_aborts(),
-            timed_restarts_at_start: remote::timed_restarts(),
+            borrows_at_start: remote::BorrowCounters::now(),
             handovers_at_start: guard::installed().map_or(0, |g| g.given_up()),
             stopping: false,
             outsiders_seen: HashSet::new(),
@@ -1285,10 +1279,11 @@ impl Daemon {
         s.pages_skipped_clean += report.total.pages_skipped_clean;
         s.checksum_ns += report.total.checksum_ns;
         s.remote_syscalls = self.marking_syscalls + self.scanner.dirty_remote_syscalls();
-        s.eintr_risk = remote::eintr_risk() - self.eintr_risk_at_start;
-        s.borrows = remote::borrows() - self.borrows_at_start;
-        s.rseq_aborts = remote::rseq_aborts() - self.rseq_aborts_at_start;
-        s.timed_restarts = remote::timed_restarts() - self.timed_restarts_at_start;
+        let borrowing = remote::BorrowCounters::now().since(self.borrows_at_start);
+        s.eintr_risk = borrowing.eintr_risk;
+        s.borrows = borrowing.borrows;
+        s.rseq_aborts = borrowing.rseq_aborts;
+        s.timed_restarts = borrowing.timed_restarts;
         s.userfaultfd_handovers =
             guard::installed().map_or(0, |g| g.given_up()) - self.handovers_at_start;
         s.regions_backed_off = self

@@ -732,72 +732,8 @@ impl Scanner {
                 .take(SCAN_GROUP)
                 .map(|(target, work)| self.begin(target, work))
                 .collect();
-            // The targets are read side by side, a chunk of each in turn: workers of one program
-            // hold their copies of a content at about the same place, so the representative a
-            // copy is compared with is still in the index's cache when the next copies come. One
-            // chunk is read while the one before it is placed.
-            let kind = self.config.checksum;
-            thread::scope(|scope| {
-                let mut reads = match pages_total >= READ_AHEAD_PAGES && self.cpus > 1 {
-                    true => Reads::threads(scope, kind, READERS),
-                    false => Reads::in_line(kind),
-                };
-                // Read in line, each chunk is placed as soon as it is read.
-                let ahead = match reads {
-                    Reads::InLine { .. } => 1,
-                    Reads::Threads { .. } => READ_AHEAD_CHUNKS,
-                };
-                let mut in_flight: VecDeque<Prepared> = VecDeque::new();
-                let mut turn = 0;
-                loop {
-                    while in_flight.len() < ahead {
-                        let Some(which) = (0..scans.len())
-                            .map(|k| (turn + k) % scans.len())
-                            .find(|&k| !scans[k].steps.is_empty())
-                        else {
-                            break;
-                        };
-                        if self.stop.as_ref().is_some_and(|stop| stop()) {
-                            report.stopped = true;
-                            return;
-                        }
-                        turn = which + 1;
-                        let started = Instant::now();
-                        let prepared = self.prepare_next(&mut scans[which], which, &mut reads);
-                        scans[which].counts.work_ns += started.elapsed().as_nanos() as u64;
-                        if let Some(prepared) = prepared {
-                            in_flight.push_back(prepared);
-                        }
-                    }
-                    let Some(prepared) = in_flight.pop_front() else {
-                        break;
-                    };
-                    let scan = &mut scans[prepared.scan];
-                    let weight = prepared.step.weight;
-                    match reads.next() {
-                        // Its scan failed since it was prepared: nothing of it is placed.
-                        Some(done) if scan.error.is_some() => self.spare_batches.push(done.bytes),
-                        Some(done) => {
-                            let started = Instant::now();
-                            if let Err(e) = self.place(scan, prepared, done) {
-                                scan.error = Some(e);
-                                scan.steps.clear();
-                            }
-                            scan.counts.work_ns += started.elapsed().as_nanos() as u64;
-                        }
-                        None => {
-                            scan.error =
-                                Some(ProcessScanError::Failed("the reader thread ended".into()));
-                            scan.steps.clear();
-                        }
-                    }
-                    scan.done += weight;
-                    progress(Progress {
-                        pages_done: pages_before + scans_done(&scans),
-                        pages_total,
-                    });
-                }
-            });
+            report.stopped =
+                self.read_side_by_side(&mut scans, pages_total, pages_before, progress);
             pages_before += scans_done(&scans);
             for mut scan in scans {
                 if report.stopped {
@@ -837,6 +773,84 @@ impl Scanner {
         report.ksm_pages = std::mem::take(&mut self.ksm_pages);
         report.seconds = started.elapsed().as_secs_f64();
         report
+    }
+
+    /// Reads and places `scans`, side by side; true if it was stopped.
+    fn read_side_by_side(
+        &mut self,
+        scans: &mut [InProgress<'_>],
+        pages_total: u64,
+        pages_before: u64,
+        progress: &mut dyn FnMut(Progress),
+    ) -> bool {
+        let mut stopped = false;
+        // The targets are read side by side, a chunk of each in turn: workers of one program
+        // hold their copies of a content at about the same place, so the representative a
+        // copy is compared with is still in the index's cache when the next copies come. One
+        // chunk is read while the one before it is placed.
+        let kind = self.config.checksum;
+        thread::scope(|scope| {
+            let mut reads = match pages_total >= READ_AHEAD_PAGES && self.cpus > 1 {
+                true => Reads::threads(scope, kind, READERS),
+                false => Reads::in_line(kind),
+            };
+            // Read in line, each chunk is placed as soon as it is read.
+            let ahead = match reads {
+                Reads::InLine { .. } => 1,
+                Reads::Threads { .. } => READ_AHEAD_CHUNKS,
+            };
+            let mut in_flight: VecDeque<Prepared> = VecDeque::new();
+            let mut turn = 0;
+            loop {
+                while in_flight.len() < ahead {
+                    let Some(which) = (0..scans.len())
+                        .map(|k| (turn + k) % scans.len())
+                        .find(|&k| !scans[k].steps.is_empty())
+                    else {
+                        break;
+                    };
+                    if self.stop.as_ref().is_some_and(|stop| stop()) {
+                        stopped = true;
+                        return;
+                    }
+                    turn = which + 1;
+                    let started = Instant::now();
+                    let prepared = self.prepare_next(&mut scans[which], which, &mut reads);
+                    scans[which].counts.work_ns += started.elapsed().as_nanos() as u64;
+                    if let Some(prepared) = prepared {
+                        in_flight.push_back(prepared);
+                    }
+                }
+                let Some(prepared) = in_flight.pop_front() else {
+                    break;
+                };
+                let scan = &mut scans[prepared.scan];
+                let weight = prepared.step.weight;
+                match reads.next() {
+                    // Its scan failed since it was prepared: nothing of it is placed.
+                    Some(done) if scan.error.is_some() => self.spare_batches.push(done.bytes),
+                    Some(done) => {
+                        let started = Instant::now();
+                        if let Err(e) = self.place(scan, prepared, done) {
+                            scan.error = Some(e);
+                            scan.steps.clear();
+                        }
+                        scan.counts.work_ns += started.elapsed().as_nanos() as u64;
+                    }
+                    None => {
+                        scan.error =
+                            Some(ProcessScanError::Failed("the reader thread ended".into()));
+                        scan.steps.clear();
+                    }
+                }
+                scan.done += weight;
+                progress(Progress {
+                    pages_done: pages_before + scans_done(scans),
+                    pages_total,
+                });
+            }
+        });
+        stopped
     }
 
     /// The VMAs of `pid` that this scanner covers, and the number of VMAs it has in all.

@@ -24,16 +24,22 @@ pub struct OpenFiles {
     pub now: u64,
 }
 
-/// Raises the soft limit on open files to the hard limit.
-pub fn raise_open_files() -> io::Result<OpenFiles> {
+/// The soft and hard limits on open files.
+fn nofile() -> io::Result<libc::rlimit> {
     let mut limit = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
     };
     // SAFETY: getrlimit writes one rlimit into the struct it is given.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
-        return Err(io::Error::last_os_error());
+    match unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } {
+        0 => Ok(limit),
+        _ => Err(io::Error::last_os_error()),
     }
+}
+
+/// Raises the soft limit on open files to the hard limit.
+pub fn raise_open_files() -> io::Result<OpenFiles> {
+    let mut limit = nofile()?;
     let was = limit.rlim_cur;
     if limit.rlim_cur < limit.rlim_max {
         limit.rlim_cur = limit.rlim_max;
@@ -51,15 +57,7 @@ pub fn raise_open_files() -> io::Result<OpenFiles> {
 
 /// The soft limit on open files now.
 pub fn open_files_limit() -> u64 {
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit writes one rlimit into the struct it is given.
-    match unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } {
-        0 => limit.rlim_cur,
-        _ => 0,
-    }
+    nofile().map_or(0, |limit| limit.rlim_cur)
 }
 
 /// Whether `n` more files can be opened now, tried by duplicating `fd` `n` times (the
@@ -90,13 +88,7 @@ mod tests {
         let raised = raise_open_files().unwrap();
         assert!(raised.now >= raised.was);
         assert_eq!(open_files_limit(), raised.now);
-        let mut limit = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        // SAFETY: getrlimit writes one rlimit into the struct it is given.
-        let r = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) };
-        assert_eq!(r, 0);
+        let limit = nofile().unwrap();
         assert_eq!(limit.rlim_cur, limit.rlim_max);
     }
 

@@ -121,6 +121,41 @@ pub fn rseq_aborts() -> u64 {
     RSEQ_ABORTS.load(Ordering::Relaxed)
 }
 
+/// What borrowing did so far, process-wide (see the functions of the same names).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BorrowCounters {
+    /// [`borrows`].
+    pub borrows: u64,
+    /// [`eintr_risk`].
+    pub eintr_risk: u64,
+    /// [`rseq_aborts`].
+    pub rseq_aborts: u64,
+    /// [`timed_restarts`].
+    pub timed_restarts: u64,
+}
+
+impl BorrowCounters {
+    /// The counters now.
+    pub fn now() -> Self {
+        BorrowCounters {
+            borrows: borrows(),
+            eintr_risk: eintr_risk(),
+            rseq_aborts: rseq_aborts(),
+            timed_restarts: timed_restarts(),
+        }
+    }
+
+    /// What was counted since `start`.
+    pub fn since(self, start: BorrowCounters) -> Self {
+        BorrowCounters {
+            borrows: self.borrows - start.borrows,
+            eintr_risk: self.eintr_risk - start.eintr_risk,
+            rseq_aborts: self.rseq_aborts - start.rseq_aborts,
+            timed_restarts: self.timed_restarts - start.timed_restarts,
+        }
+    }
+}
+
 /// Borrows that may have made a target see EINTR (see the module documentation).
 pub fn eintr_risk() -> u64 {
     EINTR_RISK.load(Ordering::Relaxed)
