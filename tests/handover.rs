@@ -3,13 +3,12 @@
 //! one over memory rksm holds (qemu's postcopy migration and background snapshots, CRIU's lazy
 //! restore) must still succeed, whether it registers seconds later or at once.
 
-use std::{
-    process::{Output, Stdio},
-    time::Duration,
-};
+use std::{process::Stdio, time::Duration};
 
 use rksm::kernel::userfaultfd;
-use rksm_tests::{ksm_turn, require_root, rksm_command, wait_for, Region, Running, TestChild};
+use rksm_tests::{
+    final_json, ksm_turn, require_root, rksm_command, wait_for, Region, Running, TestChild,
+};
 
 /// `rksm daemon` write-protecting the processes called `name` with userfaultfd.
 fn daemon_over(name: &str) -> Running {
@@ -28,16 +27,6 @@ fn daemon_over(name: &str) -> Running {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     Running::spawn(&mut command)
-}
-
-fn json_of(output: &Output) -> serde_json::Value {
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    serde_json::from_str(stdout.lines().last().unwrap_or("")).unwrap_or_else(|e| {
-        panic!(
-            "no JSON from rksm ({e}): {stdout}\n{}",
-            String::from_utf8_lossy(&output.stderr)
-        )
-    })
 }
 
 /// The VmFlags of the VMA holding `region` in `pid`.
@@ -140,7 +129,7 @@ fn a_target_that_registers_its_own_userfaultfd_seconds_later_gets_it_in_either_m
     }
     wait_for_handovers(name, 2);
     let output = daemon.stop();
-    let json = json_of(&output);
+    let json = final_json(&output);
     assert_eq!(json["userfaultfd_handovers"], 2, "{json}");
     // rksm no longer write-protects them; their own registrations stand after it left.
     assert_eq!(json["write_protect"]["none"], 2, "{json}");
@@ -195,7 +184,7 @@ fn a_thousand_programs_registering_the_moment_they_create_a_userfaultfd_all_succ
     );
     assert!(failed.is_empty(), "{} failed: {failed:?}", failed.len());
     wait_for_handovers(name, ROUNDS * PER_ROUND);
-    let json = json_of(&daemon.stop());
+    let json = final_json(&daemon.stop());
     assert_eq!(
         json["userfaultfd_handovers"],
         (ROUNDS * PER_ROUND) as u64,

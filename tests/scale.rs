@@ -4,14 +4,14 @@
 
 use std::{
     os::unix::process::CommandExt,
-    process::{Output, Stdio},
+    process::Stdio,
     time::{Duration, Instant},
 };
 
 use rksm::kernel::limits;
 use rksm_tests::{
-    fd_count, ksm_merging_pages, ksm_pages, ksm_turn, require_root, rksm_command, wait_for, Region,
-    Running, TestChild,
+    fd_count, final_json, ksm_merging_pages, ksm_pages, ksm_turn, require_root, rksm_command,
+    wait_for, Region, Running, TestChild,
 };
 
 /// Pages each target holds, the same content in every one.
@@ -60,16 +60,6 @@ fn daemon_over(name: &str, soft: u64, hard: Option<u64>) -> Running {
         });
     }
     Running::spawn(&mut command)
-}
-
-fn json_of(output: &Output) -> serde_json::Value {
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    serde_json::from_str(stdout.lines().last().unwrap_or("")).unwrap_or_else(|e| {
-        panic!(
-            "no JSON from rksm ({e}): {stdout}\n{}",
-            String::from_utf8_lossy(&output.stderr)
-        )
-    })
 }
 
 /// The test holds two pipes per child: it needs a soft limit above that.
@@ -135,7 +125,7 @@ fn a_thousand_targets_under_a_soft_limit_of_1024_are_all_adopted_and_merged() {
         merged && unmerged == 0,
         "{unmerged} of {TARGETS} targets not merged after {seconds:.0} s: {stderr}"
     );
-    let json = json_of(&output);
+    let json = final_json(&output);
     assert_eq!(json["targets_refused"], serde_json::json!({}), "{stderr}");
     assert_eq!(json["short_of_files"], 0, "{stderr}");
     assert!(soft > 1024, "the soft limit stayed at {soft}");
@@ -170,7 +160,7 @@ fn running_out_of_files_leaves_targets_for_a_pass_and_refuses_none() {
     let output = daemon.stop();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(some_merged, "nothing merged: {stderr}");
-    let json = json_of(&output);
+    let json = final_json(&output);
     assert_eq!(json["targets_refused"], serde_json::json!({}), "{stderr}");
     assert!(
         json["short_of_files"].as_u64().unwrap_or(0) > 0,
@@ -255,7 +245,7 @@ fn the_status_server_pauses_while_it_cannot_accept_and_answers_after() {
         read.is_ok() && answer.contains("\"daemon_pid\""),
         "no status once files were free again ({read:?}): {answer}"
     );
-    let json = json_of(&output);
+    let json = final_json(&output);
     assert_eq!(json["targets_refused"], serde_json::json!({}), "{stderr}");
     drop(children);
 }
@@ -333,7 +323,7 @@ fn measure_many_small_processes() {
         "no sixth pass: {}",
         String::from_utf8_lossy(&output.stderr)
     );
-    let json = json_of(&output);
+    let json = final_json(&output);
     eprintln!(
         "{n} processes, hard limit {hard} open files: {} targets in the last pass, first pass {:.2} s ({} pages hashed), steady pass {:.3} s; rksm resident {rss}, peak {peak}; {fds} files open; pages_sharing {}; short of files {}; refused {}",
         last["last_pass"]["targets"],

@@ -478,6 +478,18 @@ pub fn built_binary(name: &str) -> PathBuf {
     bin
 }
 
+/// The JSON an `rksm ... --json` run printed last (its final counters); panics with what it
+/// printed otherwise.
+pub fn final_json(output: &std::process::Output) -> serde_json::Value {
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    serde_json::from_str(stdout.lines().last().unwrap_or("")).unwrap_or_else(|e| {
+        panic!(
+            "no JSON from rksm ({e}): {stdout}\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        )
+    })
+}
+
 /// Polls `condition` every 10 ms until it holds or `timeout` passes; returns whether it held.
 pub fn wait_for(timeout: Duration, mut condition: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + timeout;
