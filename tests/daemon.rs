@@ -10,13 +10,16 @@ use std::{
 };
 
 use rksm::{
-    daemon::{Daemon, DaemonConfig, DaemonStats, DirtyMode, DomainPolicy, OutsiderPolicy},
+    daemon::{
+        Daemon, DaemonConfig, DaemonError, DaemonStats, DirtyMode, DomainPolicy, OutsiderPolicy,
+        SeveralDomains,
+    },
     engine::{checksum::ChecksumKind, dirty::protection::WriteProtect, targets::TargetSpec},
 };
 use rksm_tests::{
     any_vma_mergeable, blocked_syscall, fd_count, ksm_merging_pages, ksm_pages, ksm_turn,
     ksmd_settings, page_frames, proc_status, require_root, rksm_command, twins, vma_mergeable,
-    wait_for, Region, TestChild, PAGE,
+    wait_for, Region, Running, TestChild, PAGE,
 };
 
 /// A daemon over exactly these regions, in `mode`.
@@ -31,6 +34,7 @@ fn daemon_with_domains(
 ) -> Daemon {
     let config = DaemonConfig {
         domain,
+        several_domains: SeveralDomains::Allow,
         targets: TargetSpec {
             pids: regions.iter().map(|r| r.0).collect(),
             ..TargetSpec::default()
@@ -952,6 +956,7 @@ fn a_prober_outside_the_targets_that_merges_with_a_domains_pages_is_undone() {
     let prober_pid = prober.pid_from_proc();
     let mut daemon = Daemon::start(DaemonConfig {
         domain: DomainPolicy::Uid,
+        several_domains: SeveralDomains::Allow,
         outsiders: OutsiderPolicy::Warn,
         targets: TargetSpec {
             pids: vec![root.pid(), user_pid],
@@ -974,7 +979,7 @@ fn a_prober_outside_the_targets_that_merges_with_a_domains_pages_is_undone() {
     };
     // Root's pages are marked; ksmd merges the prober's copies into root's frames; the next
     // look finds frames mapped by two domains and unmarks root's side (the prober is never
-    // touched), and the content is never marked again.
+    // touched). Root's region backs off, longer each time it meets the prober again.
     let crossed = || shares_a_frame(root.pid(), ra, 64, prober_pid, rp, 16);
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut undone = false;
@@ -983,18 +988,9 @@ fn a_prober_outside_the_targets_that_merges_with_a_domains_pages_is_undone() {
         undone = daemon.stats().cross_domain_merges > 0 && !crossed();
         daemon.wait(Instant::now() + Duration::from_millis(300), &[]);
     }
-    for _ in 0..6 {
-        daemon.wait(Instant::now() + Duration::from_millis(300), &[]);
-        daemon.pass();
-        assert!(!crossed(), "root's pages merged with the prober's again");
-    }
-    let stats = daemon.finish();
-    assert!(undone, "{stats:?}");
-    assert!(stats.cross_domain_unmarked >= 1, "{stats:?}");
-    assert!(
-        !vma_mergeable(root.pid(), ra.base),
-        "root's pages still marked"
-    );
+    let unmarked_then = daemon.stats().cross_domain_unmarked;
+    assert!(undone, "{:?}", daemon.stats());
+    assert!(unmarked_then >= 1);
     assert!(!shares_a_frame(root.pid(), ra, 64, user_pid, rb, 64));
     assert_eq!(
         ksm_pages(user_pid, rb, 64).len(),
@@ -1006,8 +1002,18 @@ fn a_prober_outside_the_targets_that_merges_with_a_domains_pages_is_undone() {
         vma_mergeable(prober_pid, rp.base),
         "the prober's own mark was changed"
     );
-    assert!(root.verify(ra, 0, 64, 82) && user.verify(rb, 0, 64, 83));
     assert!(prober.verify(rp, 0, 16, 82));
+    // The prober goes: it did not end root's merging of that content for good.
+    drop(prober);
+    let merged_again = passes_until(&mut daemon, || ksm_pages(root.pid(), ra, 64).len() == 64);
+    let stats = daemon.finish();
+    assert!(
+        merged_again,
+        "root's pages stayed given up ({} merged, marked: {}): {stats:?}",
+        ksm_pages(root.pid(), ra, 64).len(),
+        vma_mergeable(root.pid(), ra.base)
+    );
+    assert!(root.verify(ra, 0, 64, 82) && user.verify(rb, 0, 64, 83));
     eprintln!(
         "{} frames found in {} looks ({:.1} ms), {} pages unmarked",
         stats.cross_domain_merges,
@@ -1015,6 +1021,80 @@ fn a_prober_outside_the_targets_that_merges_with_a_domains_pages_is_undone() {
         stats.cross_domain_check_ns as f64 / 1e6,
         stats.cross_domain_unmarked
     );
+}
+
+#[test]
+fn an_outsider_that_marks_and_unmarks_its_memory_between_two_passes_is_seen() {
+    require_root();
+    let _turn = ksm_turn();
+    let mut root = TestChild::spawn();
+    let ra = root.map(16);
+    root.write(ra, 0, 16, 88);
+    let mut prober = TestChild::spawn_as_nobody();
+    let rp = prober.map(16);
+    prober.write(rp, 0, 16, 88);
+    let prober_pid = prober.pid_from_proc();
+    let mut daemon = Daemon::start(DaemonConfig {
+        outsiders: OutsiderPolicy::Warn,
+        targets: TargetSpec {
+            pids: vec![root.pid()],
+            ..TargetSpec::default()
+        },
+        dirty: DirtyMode::Pagemap,
+        only_ranges: vec![(root.pid(), ra.base, ra.base + 16 * PAGE)],
+        ..DaemonConfig::default()
+    })
+    .expect("starts");
+    daemon.pass();
+    assert_eq!(daemon.stats().mergeable_outsiders, 0);
+    // Between two passes, another user's process marks its memory, and unmarks it again:
+    // /proc shows nothing at the next look; the mark watch saw the call.
+    prober.command(&format!("mergeable {}", rp.id));
+    prober.command(&format!("unmergeable {}", rp.id));
+    assert!(!vma_mergeable(prober_pid, rp.base));
+    daemon.pass();
+    let stats = daemon.finish();
+    assert_eq!(stats.mergeable_outsiders, 1, "{stats:?}");
+    assert!(prober.verify(rp, 0, 16, 88) && root.verify(ra, 0, 16, 88));
+}
+
+#[test]
+fn an_outsider_holding_zeros_does_not_stop_the_targets_merging_theirs() {
+    require_root();
+    let _turn = ksm_turn();
+    let mut root = TestChild::spawn();
+    let ra = root.map(64);
+    root.command(&format!("fill {} 0 64 0", ra.id));
+    // Another user's process, not a target, marks zero-filled pages of its own: ksmd merges
+    // them with the targets' frame of zeros. Zeros tell nobody anything.
+    let mut outsider = TestChild::spawn_as_nobody();
+    let ro = outsider.map(16);
+    outsider.command(&format!("fill {} 0 16 0", ro.id));
+    outsider.command(&format!("mergeable {}", ro.id));
+    let outsider_pid = outsider.pid_from_proc();
+    let mut daemon = Daemon::start(DaemonConfig {
+        outsiders: OutsiderPolicy::Warn,
+        targets: TargetSpec {
+            pids: vec![root.pid()],
+            ..TargetSpec::default()
+        },
+        dirty: DirtyMode::Pagemap,
+        only_ranges: vec![(root.pid(), ra.base, ra.base + 64 * PAGE)],
+        ..DaemonConfig::default()
+    })
+    .expect("starts, warning about the outsider");
+    let (targets, theirs) = ((root.pid(), ra, 64), (outsider_pid, ro, 16));
+    let crossed = passes_until(&mut daemon, || shares_a_frame(targets, theirs));
+    for _ in 0..6 {
+        daemon.wait(Instant::now() + Duration::from_millis(300), &[]);
+        daemon.pass();
+    }
+    let stats = daemon.finish();
+    assert!(crossed, "ksmd never merged the zeros: {stats:?}");
+    assert_eq!(stats.cross_domain_merges, 0, "{stats:?}");
+    assert_eq!(ksm_pages(root.pid(), ra, 64).len(), 64, "{stats:?}");
+    assert!(vma_mergeable(root.pid(), ra.base));
+    assert!(root.command(&format!("verifyfill {} 0 64 0", ra.id)) == "ok");
 }
 
 #[test]
@@ -1064,7 +1144,7 @@ fn with_several_domains_a_written_marked_page_is_unmarked_before_the_next_pass()
 }
 
 #[test]
-fn a_process_that_calls_setuid_moves_domain_and_is_unmarked() {
+fn a_process_that_calls_setuid_moves_domain_and_its_merges_with_the_old_one_are_undone() {
     require_root();
     let _turn = ksm_turn();
     let mut stays = TestChild::spawn();
@@ -1082,87 +1162,201 @@ fn a_process_that_calls_setuid_moves_domain_and_is_unmarked() {
     assert!(vma_mergeable(moves_pid, rb.base));
     moves.command("setuid 65534");
     // It is unmarked (and its merged pages unmerged) at the next pass, and placed again in
-    // its new domain, where root's content is not its to mark.
-    let unmarked = passes_until(&mut daemon, || {
-        !vma_mergeable(moves_pid, rb.base) && ksm_pages(moves_pid, rb, 64).is_empty()
-    });
+    // its new domain, as a new target. There its copies are its domain's duplicates, and
+    // marked; ksmd merges them with root's frame; rksm undoes that, and the content is not
+    // the new domain's to mark again.
+    let (old_domain, moved) = ((stays.pid(), ra, 64), (moves_pid, rb, 64));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut settled = false;
+    while !settled && Instant::now() < deadline {
+        daemon.wait(Instant::now() + Duration::from_millis(300), &[]);
+        daemon.pass();
+        settled = daemon.stats().cross_domain_unmarked > 0
+            && !vma_mergeable(moves_pid, rb.base)
+            && !shares_a_frame(old_domain, moved);
+    }
     for _ in 0..3 {
         daemon.wait(Instant::now() + Duration::from_millis(300), &[]);
         daemon.pass();
+        assert!(!vma_mergeable(moves_pid, rb.base), "marked again");
     }
     let stats = daemon.finish();
-    assert!(unmarked, "still marked after moving to uid 65534");
-    assert!(
-        !vma_mergeable(moves_pid, rb.base),
-        "marked again in its new domain"
-    );
+    assert!(settled, "still merged with its old domain: {stats:?}");
+    assert!(!shares_a_frame(old_domain, moved));
     assert_eq!(stats.domain_changes, 1);
     assert!(moves.verify(rb, 0, 64, 78) && stays.verify(ra, 0, 64, 78));
 }
 
+/// Whether some page of `a`'s region maps a frame some page of `b`'s region maps.
+fn shares_a_frame(a: (u32, Region, u64), b: (u32, Region, u64)) -> bool {
+    let theirs: HashSet<u64> = page_frames(b.0, b.1, b.2).into_iter().flatten().collect();
+    page_frames(a.0, a.1, a.2)
+        .into_iter()
+        .flatten()
+        .any(|f| theirs.contains(&f))
+}
+
 #[test]
-fn identical_pages_of_two_users_are_never_merged_with_each_other_by_default() {
+fn targets_of_two_users_are_refused_unless_allowed_and_one_domain_shares() {
     require_root();
     let _turn = ksm_turn();
-    for (policy, across) in [(DomainPolicy::Uid, false), (DomainPolicy::None, true)] {
-        let mut root = TestChild::spawn();
-        let mut nobody = TestChild::spawn_as_nobody();
-        let nobody_pid = nobody.pid_from_proc();
-        assert_eq!(
-            proc_status(nobody_pid, "Uid:").split_whitespace().next(),
-            Some("65534")
-        );
-        // Each holds 64 pages of one content, the same content in both.
-        let (ra, rb) = (root.map(64), nobody.map(64));
-        root.write(ra, 0, 64, 77);
-        nobody.write(rb, 0, 64, 77);
-        let regions = [(root.pid(), ra, 64), (nobody_pid, rb, 64)];
-        let mut daemon = daemon_with_domains(&regions, DirtyMode::Pagemap, policy);
-        let merged = passes_until(&mut daemon, || {
-            let a = ksm_pages(root.pid(), ra, 64).len();
-            let b = ksm_pages(nobody_pid, rb, 64).len();
-            if across {
-                a == 64 && b == 64
-            } else {
-                a == 64
-            }
-        });
-        // Give ksmd time to do what it should not, then look again.
-        for _ in 0..4 {
-            daemon.wait(Instant::now() + Duration::from_millis(300), &[]);
-            daemon.pass();
-        }
-        assert!(
-            merged,
-            "{policy}: the first domain's duplicates were not merged"
-        );
-        let b = ksm_pages(nobody_pid, rb, 64).len();
-        assert!(root.verify(ra, 0, 64, 77) && nobody.verify(rb, 0, 64, 77));
-        if across {
-            assert_eq!(
-                b, 64,
-                "{policy}: one domain for all, so nobody's copies merge too"
-            );
-            daemon.finish();
-            continue;
-        }
-        assert_eq!(
-            b, 0,
-            "{policy}: nobody's pages were merged with root's content"
-        );
-        assert_eq!(daemon.domain_counts().0, 2);
-        // The owner exits: its domain and the contents it owned go with it, and nobody's
-        // copies of the content may now be merged with each other.
-        drop(root);
-        let freed = passes_until(&mut daemon, || ksm_pages(nobody_pid, rb, 64).len() == 64);
-        assert!(
-            freed,
-            "the content stayed owned by a domain with no process left"
-        );
-        assert_eq!(daemon.domain_counts().0, 1, "the empty domain stayed");
-        daemon.finish();
-        assert!(nobody.verify(rb, 0, 64, 77));
+    let mut users = TwoUsers::spawn(77, 77);
+    let regions = users.regions();
+    let config = |domain, several_domains| DaemonConfig {
+        domain,
+        several_domains,
+        targets: TargetSpec {
+            pids: regions.iter().map(|r| r.0).collect(),
+            ..TargetSpec::default()
+        },
+        dirty: DirtyMode::Pagemap,
+        only_ranges: regions
+            .iter()
+            .map(|&(pid, r, pages)| (pid, r.base, r.base + pages * PAGE))
+            .collect(),
+        ..DaemonConfig::default()
+    };
+    // By default, two domains over one ksmd are refused, naming both.
+    let refused = Daemon::start(config(DomainPolicy::Uid, SeveralDomains::Refuse));
+    let Err(e @ DaemonError::SeveralDomains(_)) = refused else {
+        panic!("two users' targets were not refused");
+    };
+    let said = e.to_string();
+    for domain in [
+        format!("uid 0 (pid {})", users.root.pid()),
+        format!("uid 65534 (pid {})", users.user_pid),
+    ] {
+        assert!(said.contains(&domain), "{said}");
     }
+    assert!(!vma_mergeable(users.root.pid(), users.ra.base));
+    // One domain for all: the two share their pages.
+    let mut daemon = Daemon::start(config(DomainPolicy::None, SeveralDomains::Refuse))
+        .expect("one domain starts");
+    let shared = passes_until(&mut daemon, || {
+        shares_a_frame(regions[0], regions[1])
+            && ksm_pages(users.user_pid, users.rb, 64).len() == 64
+    });
+    daemon.finish();
+    assert!(
+        shared,
+        "one domain for all, and the users' copies did not merge"
+    );
+    assert!(users.root.verify(users.ra, 0, 64, 77) && users.user.verify(users.rb, 0, 64, 77));
+}
+
+#[test]
+fn a_process_that_moves_into_another_domain_is_not_taken_up_again_by_default() {
+    require_root();
+    let _turn = ksm_turn();
+    let mut stays = TestChild::spawn();
+    let mut moves = TestChild::spawn();
+    let (ra, rb) = (stays.map(64), moves.map(64));
+    stays.write(ra, 0, 64, 76);
+    moves.write(rb, 0, 64, 76);
+    let moves_pid = moves.pid_from_proc();
+    let regions = [(stays.pid(), ra, 64), (moves_pid, rb, 64)];
+    let mut daemon = Daemon::start(DaemonConfig {
+        targets: TargetSpec {
+            pids: vec![stays.pid(), moves_pid],
+            ..TargetSpec::default()
+        },
+        dirty: DirtyMode::Pagemap,
+        only_ranges: regions
+            .iter()
+            .map(|&(pid, r, pages)| (pid, r.base, r.base + pages * PAGE))
+            .collect(),
+        ..DaemonConfig::default()
+    })
+    .expect("one domain starts");
+    assert!(
+        passes_until(&mut daemon, || ksm_pages(moves_pid, rb, 64).len() == 64),
+        "not merged in the first place"
+    );
+    moves.command("setuid 65534");
+    let unmarked = passes_until(&mut daemon, || !vma_mergeable(moves_pid, rb.base));
+    for _ in 0..3 {
+        daemon.wait(Instant::now() + Duration::from_millis(300), &[]);
+        daemon.pass();
+        assert!(
+            !vma_mergeable(moves_pid, rb.base),
+            "marked in its new domain"
+        );
+    }
+    let stats = daemon.finish();
+    assert!(unmarked, "still marked after moving to uid 65534");
+    assert_eq!(stats.domain_changes, 1, "{stats:?}");
+    assert_eq!(
+        stats.targets_refused.get("other_domain"),
+        Some(&1),
+        "{stats:?}"
+    );
+    assert!(!shares_a_frame(regions[0], regions[1]));
+    assert!(moves.verify(rb, 0, 64, 76) && stays.verify(ra, 0, 64, 76));
+}
+
+#[test]
+fn a_domains_duplicates_are_marked_whatever_another_domain_holds_and_merges_across_are_undone() {
+    require_root();
+    let _turn = ksm_turn();
+    // Root holds 64 copies of a content. The user holds 64 copies of the same content (a
+    // guess of what root holds) and, apart, 64 copies of a content of its own.
+    let mut root = TestChild::spawn();
+    let mut user = TestChild::spawn_as_nobody();
+    let (ra, guess, own) = (root.map(64), user.map(64), user.map(64));
+    root.write(ra, 0, 64, 86);
+    user.write(guess, 0, 64, 86);
+    user.write(own, 0, 64, 87);
+    let user_pid = user.pid_from_proc();
+    let root_region = (root.pid(), ra, 64);
+    let regions = [root_region, (user_pid, guess, 64), (user_pid, own, 64)];
+    let mut daemon = daemon_with_domains(&regions, DirtyMode::Pagemap, DomainPolicy::Uid);
+    // What rksm marks in the user's memory is decided from the user's pages alone: the
+    // guess and the user's own content are marked in the same pass.
+    let marked = passes_until(&mut daemon, || {
+        vma_mergeable(user_pid, guess.base) || vma_mergeable(user_pid, own.base)
+    });
+    assert!(marked, "nothing of the user's was marked");
+    assert!(
+        vma_mergeable(user_pid, guess.base) && vma_mergeable(user_pid, own.base),
+        "the user's duplicates were not marked alike"
+    );
+    // ksmd merges the guess with root's frames; rksm undoes it in the user, and the user
+    // never marks that content again. Root's and the user's own merges stay.
+    let guessed = (user_pid, guess, 64);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut undone = false;
+    while !undone && Instant::now() < deadline {
+        daemon.wait(Instant::now() + Duration::from_millis(300), &[]);
+        daemon.pass();
+        let stats = daemon.stats();
+        undone = stats.cross_domain_merges > 0
+            && stats.cross_domain_unmarked > 0
+            && !shares_a_frame(root_region, guessed);
+    }
+    for _ in 0..6 {
+        daemon.wait(Instant::now() + Duration::from_millis(300), &[]);
+        daemon.pass();
+        assert!(!shares_a_frame(root_region, guessed), "merged across again");
+    }
+    let stats = daemon.finish();
+    assert!(undone, "{stats:?}");
+    assert!(
+        !vma_mergeable(user_pid, guess.base),
+        "the guess is marked again"
+    );
+    assert_eq!(
+        ksm_pages(root.pid(), ra, 64).len(),
+        64,
+        "root's merges went"
+    );
+    assert_eq!(
+        ksm_pages(user_pid, own, 64).len(),
+        64,
+        "the user's own merges went"
+    );
+    assert!(stats.cross_domain_unmarked >= 64, "{stats:?}");
+    assert!(root.verify(ra, 0, 64, 86));
+    assert!(user.verify(guess, 0, 64, 86) && user.verify(own, 0, 64, 87));
 }
 
 #[test]
@@ -1569,4 +1763,101 @@ fn memory_of_a_program_the_target_executed_after_it_was_opened_is_never_read() {
     let (n, read, _) = read_once(&ProcMem::open(pid).unwrap());
     assert_eq!((n, read), (Some(1), true));
     assert!(child.verify(after, 0, 1, 99));
+}
+
+/// The probe rate a user gets where several domains are allowed: how many guessed contents
+/// a target answers per minute about another domain's pages, under the shipped pacing
+/// (`rksm daemon` with its default interval). A measurement, run by hand:
+/// `cargo test --release -p rksm-tests --test daemon probe_rate -- --ignored --nocapture`.
+#[test]
+#[ignore = "a measurement of about a minute; docs/security.md quotes it"]
+fn probe_rate_across_domains() {
+    require_root();
+    let _turn = ksm_turn();
+    const SECRETS: u64 = 128;
+    // Root holds 128 contents, two copies each: merged, as a victim's would be.
+    let mut root = TestChild::spawn();
+    let ra = root.map(2 * SECRETS);
+    for i in 0..SECRETS {
+        root.write(ra, 2 * i, 2, 1000 + i);
+    }
+    let mut prober = TestChild::spawn_as_nobody();
+    let guesses = prober.map(4 * SECRETS);
+    let prober_pid = prober.pid_from_proc();
+    let daemon = Running::spawn(
+        rksm_command()
+            .args([
+                "--log-level",
+                "error",
+                "daemon",
+                "--several-domains",
+                "allow",
+            ])
+            .args([
+                "--pid",
+                &root.pid().to_string(),
+                "--pid",
+                &prober_pid.to_string(),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
+    );
+    assert!(
+        wait_for(
+            Duration::from_secs(120),
+            || ksm_pages(root.pid(), ra, 2 * SECRETS).len() as u64 == 2 * SECRETS
+        ),
+        "root's pages were not merged"
+    );
+    // 256 guesses, two copies each (a content is marked only where its domain holds it
+    // twice): the first 128 are root's contents, the others are not.
+    let written = Instant::now();
+    for i in 0..2 * SECRETS {
+        let seed = if i < SECRETS { 1000 + i } else { 9000 + i };
+        prober.write(guesses, 2 * i, 2, seed);
+    }
+    // What the prober can see of its own pages: which are marked (smaps) and which merged.
+    // A guess of root's content is merged, then unmarked; any other stays merged.
+    let page = |i: u64| guesses.base + 2 * i * PAGE;
+    let mut answered_at = vec![None; 2 * SECRETS as usize];
+    let mut was_marked = vec![false; SECRETS as usize];
+    let deadline = written + Duration::from_secs(300);
+    while answered_at.iter().any(Option::is_none) && Instant::now() < deadline {
+        let marked = rksm::kernel::procfs::mergeable_ranges(prober_pid).unwrap_or_default();
+        let is_marked = |a: u64| marked.iter().any(|r| r.start <= a && a < r.end);
+        let merged: HashSet<u64> = ksm_pages(prober_pid, guesses, 4 * SECRETS)
+            .into_iter()
+            .collect();
+        for i in 0..2 * SECRETS {
+            if answered_at[i as usize].is_some() {
+                continue;
+            }
+            let done = if i < SECRETS {
+                let marked_now = is_marked(page(i));
+                was_marked[i as usize] |= marked_now;
+                was_marked[i as usize] && !marked_now && !merged.contains(&(2 * i))
+            } else {
+                merged.contains(&(2 * i)) && merged.contains(&(2 * i + 1))
+            };
+            if done {
+                answered_at[i as usize] = Some(written.elapsed());
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(daemon);
+    let answered: Vec<Duration> = answered_at.iter().flatten().copied().collect();
+    assert_eq!(
+        answered.len() as u64,
+        2 * SECRETS,
+        "not every guess was answered"
+    );
+    let first = answered.iter().min().unwrap().as_secs_f64();
+    let last = answered.iter().max().unwrap().as_secs_f64();
+    eprintln!(
+        "{} guesses ({SECRETS} of root's contents) answered {first:.1}-{last:.1} s after they were written: {:.0} contents per minute",
+        answered.len(),
+        answered.len() as f64 * 60.0 / last
+    );
+    assert!(root.verify(ra, 0, 2, 1000));
 }

@@ -299,14 +299,14 @@ fn status_shows_a_running_daemon_as_text_json_and_metrics() {
     let metrics = String::from_utf8(metrics.stdout).unwrap();
     let sharing: u64 = metrics
         .lines()
-        .filter(|l| l.starts_with("rksm_ksm_merging_pages{"))
+        .filter(|l| l.starts_with("rksm_target_ksm_merging_pages{"))
         .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
         .sum();
     assert!(sharing >= 64, "{metrics}");
     for name in ["pages_marked", "pages_hashed_total", "dirty_misses_total"] {
         for (child, _) in &kids {
             let series = format!(
-                "rksm_{name}{{pid=\"{}\",comm=\"rksm-testchild\"}} ",
+                "rksm_target_{name}{{pid=\"{}\",comm=\"rksm-testchild\"}} ",
                 child.pid()
             );
             assert!(metrics.contains(&series), "no {series} in {metrics}");
@@ -314,7 +314,7 @@ fn status_shows_a_running_daemon_as_text_json_and_metrics() {
     }
     assert!(metrics.contains("\nrksm_full_scans_total "), "{metrics}");
     assert!(
-        metrics.contains("# TYPE rksm_ksm_merging_pages gauge"),
+        metrics.contains("# TYPE rksm_target_ksm_merging_pages gauge"),
         "{metrics}"
     );
     assert!(
@@ -331,10 +331,26 @@ fn status_shows_a_running_daemon_as_text_json_and_metrics() {
         "{http}"
     );
     assert!(
-        http.contains("rksm_domain_ksm_merging_pages{domain=\"uid 0\"}"),
+        http.contains("rksm_domain_ksm_merging_pages{domain=\""),
         "{http}"
     );
+    // What an operator graphs: what merging saves, and what the dirty bit spares.
+    let value = |text: &str, name: &str| -> u64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name} ")))
+            .unwrap_or_else(|| panic!("no {name} in {text}"))
+            .parse()
+            .unwrap()
+    };
+    assert!(value(&http, "rksm_pages_sharing") >= 64, "{http}");
+    assert_eq!(
+        value(&http, "rksm_saved_bytes"),
+        value(&http, "rksm_pages_sharing") * 4096
+    );
+    assert!(value(&http, "rksm_pages_hashed_total") >= 128, "{http}");
+    assert!(value(&http, "rksm_pages_skipped_clean_total") > 0, "{http}");
     assert!(!http.contains("pid=") && !http.contains("comm="), "{http}");
+    assert!(!http.contains("uid 0"), "the domain's user shows: {http}");
     let wrong = http_get_with(port, "/metrics", "Authorization: Bearer not-the-token\r\n");
     assert!(!wrong.contains("pid="), "{wrong}");
     let trusted = http_get_with(
@@ -342,7 +358,10 @@ fn status_shows_a_running_daemon_as_text_json_and_metrics() {
         "/metrics",
         "Authorization: Bearer s3cret-token-for-the-test\r\n",
     );
-    assert!(trusted.contains("rksm_ksm_merging_pages{pid="), "{trusted}");
+    assert!(
+        trusted.contains("rksm_target_ksm_merging_pages{pid="),
+        "{trusted}"
+    );
     assert!(http_get(port, "/").starts_with("HTTP/1.1 404"));
     assert_eq!(tcp_listeners_of(daemon.id()), 1);
     // The textfile for node_exporter: the public series, written after every pass.
@@ -400,12 +419,17 @@ fn outsiders_of_another_domain_marking_their_own_memory_are_named() {
     require_root();
     let _turn = ksm_turn();
     let root = TestChild::spawn();
-    let mut user = TestChild::spawn_as_nobody();
     let mut prober = TestChild::spawn_as_nobody();
     let region = prober.map(16);
     prober.write(region, 0, 16, 5);
     prober.command(&format!("mergeable {}", region.id));
-    let (user_pid, prober_pid) = (user.pid_from_proc(), prober.pid_from_proc());
+    // Another, whose name is not UTF-8: it is an outsider all the same.
+    let mut nameless = TestChild::spawn_as_nobody();
+    let other = nameless.map(4);
+    nameless.write(other, 0, 4, 6);
+    nameless.command(&format!("mergeable {}", other.id));
+    assert_eq!(nameless.command("namehex ff78"), "ok");
+    let (prober_pid, nameless_pid) = (prober.pid_from_proc(), nameless.pid_from_proc());
     let daemon = |extra: &[&str]| {
         let mut args = vec![
             "--log-level".to_string(),
@@ -420,23 +444,26 @@ fn outsiders_of_another_domain_marking_their_own_memory_are_named() {
                 .to_string(),
             "--pid".into(),
             root.pid().to_string(),
-            "--pid".into(),
-            user_pid.to_string(),
         ];
         args.extend(extra.iter().map(|s| s.to_string()));
         rksm_command().args(&args).output().unwrap()
     };
-    // Two domains (root, nobody) and a nobody process outside them that marks itself: it
-    // could probe root's pages through ksmd. Refused by default, naming it.
+    // Root's domain, and nobody processes outside it that mark themselves: they could probe
+    // root's pages through ksmd. Refused by default, naming them.
     let refused = daemon(&[]);
     assert_eq!(refused.status.code(), Some(1), "{}", stderr(&refused));
     assert_eq!(stderr(&refused).lines().count(), 1, "{}", stderr(&refused));
-    assert!(
-        stderr(&refused).contains(&format!("pid {prober_pid} (rksm-testchild, uid 65534)")),
-        "{}",
-        stderr(&refused)
-    );
-    // Asked to, it starts and warns, naming it.
+    for named in [
+        format!("pid {prober_pid} (rksm-testchild, uid 65534)"),
+        format!("pid {nameless_pid} (\u{fffd}x, uid 65534)"),
+    ] {
+        assert!(
+            stderr(&refused).contains(&named),
+            "no {named} in {}",
+            stderr(&refused)
+        );
+    }
+    // Asked to, it starts and warns, naming them.
     let warned = daemon(&["--outsiders", "warn"]);
     assert!(warned.status.success(), "{}", stderr(&warned));
     assert!(
@@ -454,6 +481,65 @@ fn outsiders_of_another_domain_marking_their_own_memory_are_named() {
         "{}",
         stderr(&one)
     );
+}
+
+#[test]
+fn a_selection_by_name_takes_any_users_process_and_says_so_while_a_uid_narrowed_one_does_not() {
+    require_root();
+    let _turn = ksm_turn();
+    let mut root = TestChild::spawn();
+    let mut user = TestChild::spawn_as_nobody();
+    let name = format!("rksmsel{}", std::process::id() % 100_000);
+    for child in [&mut root, &mut user] {
+        assert_eq!(child.command(&format!("name {name}")), "ok");
+    }
+    let user_pid = user.pid_from_proc();
+    let daemon = |extra: &[&str]| {
+        let mut args: Vec<String> = [
+            "--log-level",
+            "info",
+            "daemon",
+            "--passes",
+            "1",
+            "--domain",
+            "none",
+            "--comm",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.push(format!("^{name}$"));
+        args.push("--socket".into());
+        args.push(
+            std::env::temp_dir()
+                .join(format!("rksm-byname-{user_pid}.sock"))
+                .display()
+                .to_string(),
+        );
+        args.extend(extra.iter().map(|s| s.to_string()));
+        rksm_command().args(&args).output().unwrap()
+    };
+    // By name alone: both users' processes, and a warning that any user can join.
+    let by_name = daemon(&[]);
+    assert!(by_name.status.success(), "{}", stderr(&by_name));
+    assert!(
+        stderr(&by_name).contains("selected by command name alone")
+            && stderr(&by_name).contains("uid 0, 65534"),
+        "{}",
+        stderr(&by_name)
+    );
+    // Narrowing a user's processes: only theirs, and nothing to warn about.
+    let narrowed = daemon(&["--uid", "65534"]);
+    assert!(narrowed.status.success(), "{}", stderr(&narrowed));
+    assert!(
+        !stderr(&narrowed).contains("command name alone"),
+        "{}",
+        stderr(&narrowed)
+    );
+    let took =
+        |out: &std::process::Output, pid: u32| stderr(out).contains(&format!("target pid {pid} ("));
+    assert!(took(&by_name, root.pid()) && took(&by_name, user_pid));
+    assert!(!took(&narrowed, root.pid()) && took(&narrowed, user_pid));
 }
 
 #[test]
@@ -602,13 +688,34 @@ fn the_daemonset_grants_exactly_what_the_unit_grants() {
             "{writable} not the host's"
         );
     }
-    // And the tracer reads the tracepoint's format from tracefs.
+    // And the tracer reads the tracepoint's format from tracefs; the selection, the node's
+    // cgroups.
     assert!(mounts.contains(&"/sys/kernel/tracing"));
+    assert!(mounts.contains(&"/sys/fs/cgroup") && host_paths.contains(&"/sys/fs/cgroup"));
     let read_only = manifest.matches("readOnly: true").count();
     assert_eq!(
-        read_only, 2,
-        "tracefs and the configuration, and nothing else, read-only"
+        read_only, 3,
+        "tracefs, the cgroups and the configuration, and nothing else, read-only"
     );
+    // Pods are told apart by cgroup, not by uid, which most share; that is several domains,
+    // allowed knowingly.
+    let config: rksm::service::config::ConfigFile = {
+        let start = manifest.find("rksm.toml: |").expect("the ConfigMap");
+        let text: String = manifest[start..]
+            .lines()
+            .skip(1)
+            .take_while(|l| l.starts_with("    ") || l.is_empty())
+            .map(|l| format!("{}\n", l.trim_start()))
+            .collect();
+        rksm::service::config::ConfigFile::parse(&text, Path::new("rksm.toml"))
+            .expect("the ConfigMap's rksm.toml")
+    };
+    assert_eq!(config.domain, Some(rksm::daemon::DomainPolicy::Cgroup));
+    assert_eq!(
+        config.several_domains,
+        Some(rksm::daemon::SeveralDomains::Allow)
+    );
+    assert!(!config.cgroup.is_empty(), "pods selected by name alone");
     // It runs the daemon as the unit does.
     let exec = unit_value("ExecStart");
     let args = yaml_list(&manifest, "- name: rksm", "args").join(" ");

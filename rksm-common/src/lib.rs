@@ -90,6 +90,34 @@ pub mod uffd_guard {
     pub const CLAIM_RING_BYTES: u32 = 16 << 10;
 }
 
+/// The mark watch: every process that asks the kernel to make memory mergeable
+/// (`madvise(MADV_MERGEABLE)`, `prctl(PR_SET_MEMORY_MERGE, 1)`) is recorded in `MARKERS`
+/// (tgid → CLOCK_MONOTONIC nanoseconds of its latest such call), so that one marking its
+/// memory between two of the daemon's looks at /proc is seen all the same.
+pub mod marks {
+    /// Tracefs category of the system-call tracepoints.
+    pub const CATEGORY: &str = "syscalls";
+    /// Program names and their tracepoints.
+    pub const PROGRAMS: [(&str, &str); 2] = [
+        ("rksm_mark_madvise", "sys_enter_madvise"),
+        ("rksm_mark_prctl", "sys_enter_prctl"),
+    ];
+    /// Where `sys_enter_madvise` has `behavior` (an `int` stored in 8 bytes).
+    pub const MADVISE_BEHAVIOR_OFFSET: usize = 32;
+    /// Where `sys_enter_prctl` has `option` and `arg2`.
+    pub const PRCTL_OPTION_OFFSET: usize = 16;
+    /// See [`PRCTL_OPTION_OFFSET`].
+    pub const PRCTL_ARG2_OFFSET: usize = 24;
+    /// `MADV_MERGEABLE`.
+    pub const MADV_MERGEABLE: u64 = 12;
+    /// `PR_SET_MEMORY_MERGE` (Linux 6.4).
+    pub const PR_SET_MEMORY_MERGE: u64 = 67;
+    /// `LruHashMap<u32 tgid, u64 ns>`.
+    pub const MARKERS: &str = "RKSM_MARKERS";
+    /// Processes remembered between two looks (the least recent are forgotten first).
+    pub const MAX_MARKERS: u32 = 16384;
+}
+
 /// The wait watch: when the threads of rksm's targets entered their latest `epoll_wait` or
 /// `epoll_pwait` (CLOCK_MONOTONIC nanoseconds), for those of the processes in `WAITERS`
 /// (pid → CLOCK_MONOTONIC nanoseconds when it was added, older entries being another

@@ -17,6 +17,7 @@
 use core::intrinsics::{atomic_xadd, AtomicOrdering};
 
 mod guard;
+mod marks;
 mod waits;
 
 use aya_ebpf::{

@@ -470,6 +470,16 @@ fn run(line: &str, regions: &mut Vec<Region>) -> Result<String, String> {
             }
             Ok("ok".into())
         }
+        Some("unmergeable") => {
+            let r = region(num(1)?)?;
+            // SAFETY: as for MERGEABLE; UNMERGEABLE unmerges, which changes no byte either.
+            if unsafe { libc::madvise(r.page(0)?.cast(), r.pages * PAGE, libc::MADV_UNMERGEABLE) }
+                != 0
+            {
+                return Err(format!("madvise: {}", io::Error::last_os_error()));
+            }
+            Ok("ok".into())
+        }
         Some("mremap") => {
             let (id, to) = (num(1)? as usize, num(2)? as usize);
             let (r, dest) = (region(id as u64)?, region(to as u64)?);
@@ -672,6 +682,20 @@ fn run(line: &str, regions: &mut Vec<Region>) -> Result<String, String> {
         Some("name") => {
             let name = std::ffi::CString::new(words.get(1).copied().unwrap_or(""))
                 .map_err(|e| e.to_string())?;
+            // SAFETY: PR_SET_NAME reads a NUL-terminated string (up to 16 bytes).
+            match unsafe { libc::prctl(libc::PR_SET_NAME, name.as_ptr(), 0, 0, 0) } {
+                0 => Ok("ok".into()),
+                _ => Err(format!("prctl: {}", io::Error::last_os_error())),
+            }
+        }
+        Some("namehex") => {
+            // A name of any bytes, as `prctl` allows: "ff78" is b"\xffx".
+            let hex = words.get(1).copied().unwrap_or("");
+            let bytes: Vec<u8> = (0..hex.len() / 2)
+                .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16))
+                .collect::<Result<_, _>>()
+                .map_err(|e| e.to_string())?;
+            let name = std::ffi::CString::new(bytes).map_err(|e| e.to_string())?;
             // SAFETY: PR_SET_NAME reads a NUL-terminated string (up to 16 bytes).
             match unsafe { libc::prctl(libc::PR_SET_NAME, name.as_ptr(), 0, 0, 0) } {
                 0 => Ok("ok".into()),

@@ -176,6 +176,8 @@ const SUITES: &[Suite] = &[
             "a_target_that_executes_a_new_program_is_armed_and_merged_again",
             "a_target_skipped_for_a_pass_keeps_its_arming_and_checksums",
             "a_write_between_the_scan_and_the_marking_is_hashed_next_pass",
+            "an_outsider_that_marks_and_unmarks_its_memory_between_two_passes_is_seen",
+            "a_domains_duplicates_are_marked_whatever_another_domain_holds_and_merges_across_are_undone",
         ],
         skip: &[],
     },

@@ -14,7 +14,7 @@ use clap::Args;
 use rksm::{
     daemon::{
         mib, Daemon, DaemonConfig, DaemonError, DaemonStats, DirtyMode, DomainPolicy,
-        OutsiderPolicy,
+        OutsiderPolicy, SeveralDomains,
     },
     engine::{
         checksum::ChecksumKind,
@@ -50,10 +50,14 @@ pub struct DaemonOptions {
     #[arg(long, value_name = "xxh64|crc32c")]
     checksum: Option<ChecksumKind>,
     /// Which targets may share merged pages: uid (same user), cgroup (same cgroup) or none
-    /// (all). A content is marked in one domain only, so ksmd cannot merge across domains
-    /// [default: uid].
+    /// (all). What ksmd merges across domains is undone [default: uid].
     #[arg(long, value_name = "uid|cgroup|none")]
     domain: Option<DomainPolicy>,
+    /// Targets in more than one merge domain: refuse to start, naming the domains, or allow
+    /// it (each domain can then learn whether another holds a page it guesses, one ksmd
+    /// merge cycle per guess) [default: refuse].
+    #[arg(long, value_name = "refuse|allow")]
+    several_domains: Option<SeveralDomains>,
     /// With more than one merge domain, processes outside the targets that mark their own
     /// memory mergeable could probe other domains' pages through ksmd: refuse to start,
     /// naming them, or warn [default: refuse].
@@ -99,6 +103,7 @@ struct Settings {
     write_protect: WriteProtectChoice,
     checksum: ChecksumKind,
     domain: DomainPolicy,
+    several_domains: SeveralDomains,
     outsiders: OutsiderPolicy,
     interval: f64,
     duration: Option<f64>,
@@ -124,6 +129,10 @@ impl DaemonOptions {
                 .or(file.checksum)
                 .unwrap_or(ChecksumKind::Xxh64),
             domain: self.domain.or(file.domain).unwrap_or_default(),
+            several_domains: self
+                .several_domains
+                .or(file.several_domains)
+                .unwrap_or_default(),
             outsiders: self.outsiders.or(file.outsiders).unwrap_or_default(),
             interval: self.interval.or(file.interval).unwrap_or(5.0),
             duration: self.duration.or(file.duration),
@@ -159,7 +168,7 @@ impl DaemonOptions {
 /// New processes matching the targets are picked up; exited ones dropped.
 #[derive(Debug, Args)]
 #[command(
-    after_help = "Example:\n  rksm daemon --comm '^python' --dirty ebpf --interval 2\n  rksm daemon --pid 4242 --dirty pagemap --write-protect soft-dirty\n  rksm daemon --cgroup system.slice/workers.service --duration 600 --json\n  rksm daemon --config /etc/rksm/rksm.toml --metrics-address 127.0.0.1:9464\n\nFiles:\n  /etc/rksm/rksm.toml      settings (every flag has a key; flags win)\n  /run/rksm/rksm.sock      root-only socket `rksm status` asks\n  /run/rksm/ksmd-settings  ksmd's settings found at start, until restored\n  /run/rksm/daemon.lock    one daemon per host"
+    after_help = "Example:\n  rksm daemon --uid 1000 --comm '^python' --dirty ebpf --interval 2\n  rksm daemon --pid 4242 --dirty pagemap --write-protect soft-dirty\n  rksm daemon --cgroup system.slice/workers.service --duration 600 --json\n  rksm daemon --config /etc/rksm/rksm.toml --metrics-address 127.0.0.1:9464\n\nFiles:\n  /etc/rksm/rksm.toml      settings (every flag has a key; flags win)\n  /run/rksm/rksm.sock      root-only socket `rksm status` asks\n  /run/rksm/ksmd-settings  ksmd's settings found at start, until restored\n  /run/rksm/daemon.lock    one daemon per host"
 )]
 pub struct DaemonArgs {
     #[command(flatten)]
@@ -185,7 +194,7 @@ pub fn run_daemon(args: DaemonArgs, file: &ConfigFile) -> anyhow::Result<()> {
     let spec = args.targets.spec_or(file);
     if spec.is_empty() {
         return Err(BadInput(
-            "no targets given: use --pid, --cgroup, --comm or --all, or their keys in the configuration file"
+            "no targets given: use --pid, --cgroup, --uid, --comm or --all, or their keys in the configuration file"
                 .into(),
         )
         .into());
@@ -241,6 +250,7 @@ fn serve(spec: TargetSpec, options: &Settings, child: Option<u32>) -> anyhow::Re
         write_protect: options.write_protect,
         checksum: options.checksum,
         domain: options.domain,
+        several_domains: options.several_domains,
         outsiders: options.outsiders,
         audit_passes: options.audit_passes,
         ..DaemonConfig::default()
@@ -254,6 +264,7 @@ fn serve(spec: TargetSpec, options: &Settings, child: Option<u32>) -> anyhow::Re
         .map_err(BadInput)?;
     let mut daemon = Daemon::start(config).map_err(|e| match e {
         e @ (DaemonError::Targets(_)
+        | DaemonError::SeveralDomains(_)
         | DaemonError::NotOffered(_)
         | DaemonError::NoWriteProtect { .. }) => anyhow::Error::new(BadInput(e.to_string())),
         other => anyhow::Error::new(other),

@@ -188,7 +188,7 @@ mod tests {
                 proptest::sample::select(vec![
                     "trace", "estimate", "daemon", "run", "bench", "workload", "status", "completions",
                     "man", "--config", "--log-level", "--log-format", "--socket", "--metrics-address",
-                    "--pid", "--cgroup",
+                    "--pid", "--cgroup", "--uid", "--several-domains",
                     "--comm", "--all", "--min-age", "--dirty", "--checksum", "--interval", "--duration",
                     "--passes", "--json", "--profile", "--quick", "--out", "--", "-h", "0", "1", "-1",
                     "4294967296", "nan", "inf", "1e999", "xxh64", "crc32c", "ebpf", "(", "",

@@ -11,7 +11,8 @@ use rksm::{
 
 use super::BadInput;
 
-/// Which processes to work on. Selectors add up; --min-age then filters.
+/// Which processes to work on: --pid always; --cgroup, --uid and --all add up, and --comm
+/// narrows them (or, alone, selects by name); --min-age then filters.
 #[derive(Debug, Args, Clone)]
 pub struct TargetArgs {
     /// A process (repeatable); it must exist.
@@ -21,7 +22,12 @@ pub struct TargetArgs {
     /// relative to /sys/fs/cgroup (repeatable).
     #[arg(long = "cgroup", value_name = "PATH")]
     cgroups: Vec<PathBuf>,
-    /// Every process whose command name matches this regular expression.
+    /// Every process all of whose user ids (real, effective, saved, filesystem) are this one
+    /// (repeatable).
+    #[arg(long = "uid", value_name = "UID")]
+    uids: Vec<u32>,
+    /// Only processes whose command name matches this regular expression. Alone, it selects
+    /// every such process: any user can name a process so.
     #[arg(long, value_name = "REGEX", value_parser = parse_regex)]
     comm: Option<Regex>,
     /// Every user process (not kernel threads, not rksm itself).
@@ -47,6 +53,7 @@ impl TargetArgs {
         TargetSpec {
             pids: self.pids.clone(),
             cgroups: self.cgroups.clone(),
+            uids: self.uids.clone(),
             comm: self.comm.clone(),
             all: self.all,
             min_age: self.min_age.map(Duration::from_secs_f64),
@@ -61,6 +68,7 @@ impl TargetArgs {
         if spec.is_empty() {
             spec.pids = file.pid.clone();
             spec.cgroups = file.cgroup.clone();
+            spec.uids = file.uid.clone();
             spec.comm = file.comm.clone();
             spec.all = file.all == Some(true);
         }

@@ -11,7 +11,7 @@
 //! smaps, pagemap and kpageflags; it never stops or borrows a process, and it decides
 //! which mappings must go, while the daemon unmarks them (in its targets only).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
 
 use crate::kernel::procfs::{self, KpageFlags, Pagemap, PagemapEntry};
 
@@ -142,12 +142,19 @@ pub struct Found {
 
 /// Every KSM frame that the mergeable memory of `mappers` maps in more than one domain. A
 /// process that exits, or whose files cannot be read, meanwhile is left out: what it mapped
-/// is gone with it, or is found at the next look.
+/// is gone with it, or is found at the next look. Targets are looked at first; of an
+/// outsider, only the frames some target maps are kept, so what a look holds is bounded by
+/// the targets' shared pages, whatever an outsider maps.
 pub fn find(mappers: &[Mapper], kpageflags: &KpageFlags) -> Found {
     let mut found = Found::default();
     let mut mapped = Vec::new();
     let mut entries = vec![PagemapEntry(0); CHUNK];
-    for mapper in mappers {
+    let (targets, outsiders): (Vec<&Mapper>, Vec<&Mapper>) = mappers.iter().partition(|m| m.target);
+    let mut targets_frames: Option<HashSet<u64>> = None;
+    for mapper in targets.into_iter().chain(outsiders) {
+        if !mapper.target && targets_frames.is_none() {
+            targets_frames = Some(mapped.iter().map(|&(pfn, _)| pfn).collect());
+        }
         let (Ok(ranges), Ok(pagemap)) = (
             procfs::mergeable_ranges(mapper.pid),
             Pagemap::open(mapper.pid),
@@ -174,7 +181,12 @@ pub fn find(mappers: &[Mapper], kpageflags: &KpageFlags) -> Found {
                         // A frame this mapping alone maps, or a file's, crosses nothing.
                         match entry.pfn() {
                             Some(pfn)
-                                if pfn != 0 && !entry.exclusive() && !entry.file_or_shared() =>
+                                if pfn != 0
+                                    && !entry.exclusive()
+                                    && !entry.file_or_shared()
+                                    && targets_frames
+                                        .as_ref()
+                                        .is_none_or(|frames| frames.contains(&pfn)) =>
                             {
                                 mapped.push((
                                     pfn,

@@ -1,15 +1,22 @@
-//! Merge domains: which targets may share merged pages, and which domain owns a content.
+//! Merge domains: which targets may share merged pages, and what each domain may mark.
 //!
-//! ksmd merges any two mergeable pages with equal bytes, so rksm keeps domains apart by what
-//! it marks: a content (by checksum) is marked in one domain only, the first to mark it, and
-//! never in another. Domains and content ownership are counted by the targets that hold them
-//! and go when the last of those targets goes, so nothing here outlives the processes it is
-//! about. A checksum collision only makes ownership stricter.
+//! ksmd merges any two mergeable pages with equal bytes, whoever marked them, so over one
+//! ksmd no daemon can merge a domain's duplicates without telling that domain something
+//! about the others: if another domain's copy is already merged, this domain's copies merge
+//! with it or stay apart. rksm therefore decides about a domain's duplicates from that
+//! domain's pages only, so that what it marks says nothing about other domains, and undoes
+//! what ksmd merges across domains after the fact ([`super::crossings`]): the domain that
+//! gives way never marks that content again (it is *contested* for that domain). A domain
+//! learns about another only through a ksmd merge it can watch, and once per content.
+//!
+//! Domains and the first domain to mark each content (which keeps a frame that crossed) are
+//! counted by the targets that hold them and go when the last of those targets goes, so
+//! nothing here outlives the processes it is about.
 
 use std::collections::{hash_map::Entry, HashMap, HashSet};
 
 use crate::engine::keys::{KeyMap, KeySet};
-use crate::kernel::process;
+use crate::kernel::{process, procfs};
 
 /// Which processes may share merged pages with each other.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -53,17 +60,31 @@ impl DomainPolicy {
             DomainPolicy::Uid => {
                 // All of its user ids, read again every pass: a process that changes one
                 // (setuid, seteuid) changes domain.
-                let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+                let status = procfs::read_text(format!("/proc/{pid}/status")).ok()?;
                 uid_domain(&process::status_ids(&status, "Uid:")?)
             }
             DomainPolicy::Cgroup => {
                 // The whole membership list: v2's single line, or every v1 hierarchy's.
-                let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+                let cgroups = procfs::read_text(format!("/proc/{pid}/cgroup")).ok()?;
                 Some(format!("cgroup {}", cgroups.trim().replace('\n', ";")))
             }
         }
     }
 }
+
+/// Whether the targets may span more than one merge domain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum SeveralDomains {
+    /// Refuse to start if they do, naming the domains; later processes of another domain
+    /// than the targets' are not taken up.
+    #[default]
+    Refuse,
+    /// Allow it: each domain can then learn whether another holds a page it guesses, one
+    /// ksmd merge cycle per guess (docs/security.md).
+    Allow,
+}
+
+crate::value_enum_text!(SeveralDomains => "policy");
 
 /// What to do about processes rksm does not target that mark their own memory mergeable
 /// while their merge domain is not every target's: ksmd would merge their pages with the
@@ -96,19 +117,27 @@ impl std::fmt::Display for Outsider {
             f,
             "pid {} ({}, {})",
             self.pid,
-            crate::kernel::procfs::printable(&self.comm),
-            crate::kernel::procfs::printable(&self.domain)
+            procfs::printable(&self.comm),
+            procfs::printable(&self.domain)
         )
     }
 }
 
+/// The domain given to a process whose /proc files could not be read: it counts as an
+/// outsider of a domain of its own.
+const UNREADABLE: &str = "unreadable";
+
 /// Every process but `targets` (pids) and rksm whose memory is mergeable (its ksm_stat says
-/// so) and whose domain under `policy` differs from one of `target_domains`. With one domain
-/// for all (`none`) there are none.
+/// so), or that asked to make memory mergeable since the last look (`marked`, from the mark
+/// watch), and whose domain under `policy` differs from one of `target_domains`. With one
+/// domain for all (`none`) there are none. A live process whose files cannot be read is
+/// listed (rksm cannot tell what it marks); one with no memory (a kernel thread, a zombie)
+/// is not.
 pub fn mergeable_outsiders(
     policy: DomainPolicy,
     targets: &HashSet<u32>,
     target_domains: &HashSet<String>,
+    marked: &HashSet<u32>,
 ) -> Vec<Outsider> {
     if policy == DomainPolicy::None || target_domains.is_empty() {
         return Vec::new();
@@ -117,39 +146,53 @@ pub fn mergeable_outsiders(
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
+    let alive = |pid: u32| std::path::Path::new(&format!("/proc/{pid}")).exists();
     let mut found: Vec<Outsider> = entries
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
         .filter(|pid| *pid != me && !targets.contains(pid))
-        .filter(|&pid| crate::kernel::procfs::KsmStat::read(pid).is_some_and(|k| k.mergeable))
+        .filter(|&pid| {
+            marked.contains(&pid)
+                || match procfs::read_text(format!("/proc/{pid}/ksm_stat")) {
+                    Ok(text) => procfs::KsmStat::parse(&text).is_none_or(|k| k.mergeable),
+                    Err(_) => alive(pid),
+                }
+        })
         .filter_map(|pid| {
-            let domain = policy.domain_of(pid)?;
+            let domain = match policy.domain_of(pid) {
+                Some(domain) => domain,
+                None if alive(pid) => UNREADABLE.to_string(),
+                None => return None,
+            };
             if target_domains.iter().all(|d| *d == domain) {
                 return None;
             }
-            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+            let comm = procfs::read_text(format!("/proc/{pid}/comm")).unwrap_or_default();
             Some(Outsider {
                 pid,
                 comm: comm.trim_end().to_string(),
                 domain,
             })
         })
+        .filter(|o| alive(o.pid))
         .collect();
     found.sort_by_key(|o| o.pid);
     found
 }
 
-/// The domains in use, numbered, and which domain owns each marked content.
+/// The domains in use, numbered, which domain first marked each content, and the contents
+/// each domain gave way on.
 #[derive(Debug, Default)]
 pub struct Domains {
     /// Domain name → (number, targets in it).
     ids: HashMap<String, (u32, usize)>,
     next: u32,
-    /// Content checksum → (owning domain, targets that claimed it).
+    /// Content checksum → (first domain to mark it, its targets that claimed it).
     owners: KeyMap<(u32, usize)>,
-    /// Contents found merged across domains: no domain marks them again. A prober that
-    /// guessed one learns it once; the targets holding it stop sharing it.
-    contested: KeySet,
+    /// Domain number → contents of that domain found merged with another domain's: that
+    /// domain does not mark them again. Other domains' decisions do not look at it, so a
+    /// prober learns a content only through a merge of its own, and once.
+    contested: HashMap<u32, KeySet>,
 }
 
 impl Domains {
@@ -167,23 +210,34 @@ impl Domains {
     /// A target of domain `name` leaves, releasing the contents it claimed; returns true if
     /// the domain is now empty (and forgotten).
     pub fn leave(&mut self, name: &str, claimed: &KeySet) -> bool {
+        let Some((id, members)) = self.ids.get_mut(name) else {
+            return false;
+        };
         for sum in claimed {
             if let Entry::Occupied(mut owner) = self.owners.entry(*sum) {
-                owner.get_mut().1 -= 1;
-                if owner.get().1 == 0 {
-                    owner.remove();
+                if owner.get().0 == *id {
+                    owner.get_mut().1 -= 1;
+                    if owner.get().1 == 0 {
+                        owner.remove();
+                    }
                 }
             }
         }
-        let Some((_, members)) = self.ids.get_mut(name) else {
-            return false;
-        };
         *members -= 1;
         if *members > 0 {
             return false;
         }
+        let id = *id;
         self.ids.remove(name);
+        self.contested.remove(&id);
         true
+    }
+
+    /// The names of the domains with targets in them, sorted.
+    pub fn names(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = self.ids.keys().map(String::as_str).collect();
+        names.sort_unstable();
+        names
     }
 
     /// Domains with targets in them.
@@ -201,37 +255,40 @@ impl Domains {
         self.ids.get(name).map(|&(id, _)| id)
     }
 
-    /// The domain that owns content `sum`, if one does.
+    /// The first domain still holding a target that marked content `sum`, if one does.
     pub fn owner(&self, sum: u64) -> Option<u32> {
         self.owners.get(&sum).map(|&(owner, _)| owner)
     }
 
-    /// Content `sum` was found merged across domains: no domain may mark it from now on.
-    pub fn contest(&mut self, sum: u64) {
-        self.contested.insert(sum);
+    /// Domain `id` gave way on content `sum` (its copies merged with another domain's): it
+    /// does not mark it from now on. Other domains may.
+    pub fn contest(&mut self, sum: u64, id: u32) {
+        self.contested.entry(id).or_default().insert(sum);
     }
 
-    /// Contents found merged across domains.
+    /// Contents some domain gave way on, counted once per domain.
     pub fn contested(&self) -> usize {
-        self.contested.len()
+        self.contested.values().map(|sums| sums.len()).sum()
     }
 
     /// Whether a target of domain `id`, which has claimed `claimed`, may mark content `sum`:
-    /// yes if no domain owns it yet (it then owns it) or if `id` does, and it was never
-    /// found merged across domains.
+    /// yes unless `id` gave way on it. The answer depends on `id`'s own history only, never
+    /// on what other domains hold. The first domain to mark a content is remembered as its
+    /// owner, which keeps its frame if ksmd merges it across domains.
     pub fn claim(&mut self, sum: u64, id: u32, claimed: &mut KeySet) -> bool {
-        if self.contested.contains(&sum) {
+        if self
+            .contested
+            .get(&id)
+            .is_some_and(|sums| sums.contains(&sum))
+        {
             return false;
         }
-        if claimed.contains(&sum) {
-            return self.owners.get(&sum).is_some_and(|&(owner, _)| owner == id);
+        if claimed.insert(sum) {
+            let owner = self.owners.entry(sum).or_insert((id, 0));
+            if owner.0 == id {
+                owner.1 += 1;
+            }
         }
-        let owner = self.owners.entry(sum).or_insert((id, 0));
-        if owner.0 != id {
-            return false;
-        }
-        owner.1 += 1;
-        claimed.insert(sum);
         true
     }
 }
@@ -241,7 +298,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_content_belongs_to_the_first_domain_until_its_last_claimant_leaves() {
+    fn a_content_is_owned_by_the_first_domain_until_its_last_claimant_leaves() {
         let mut domains = Domains::default();
         let (a, b) = (domains.join("uid 0"), domains.join("uid 1000"));
         let a2 = domains.join("uid 0");
@@ -253,21 +310,23 @@ mod tests {
         assert!(domains.claim(7, a, &mut claims_a), "claiming again is fine");
         assert!(domains.claim(7, a2, &mut claims_a2), "same domain");
         assert!(
-            !domains.claim(7, b, &mut claims_b),
-            "another domain's content"
+            domains.claim(7, b, &mut claims_b),
+            "what another domain holds does not decide"
         );
+        assert_eq!(domains.owner(7), Some(a));
         assert!(
             !domains.leave("uid 0", &claims_a),
             "the domain keeps a member"
         );
-        assert!(
-            !domains.claim(7, b, &mut claims_b),
-            "still owned through a2"
-        );
+        assert_eq!(domains.owner(7), Some(a), "still owned through a2");
         assert!(domains.leave("uid 0", &claims_a2), "last member gone");
         assert_eq!(domains.count(), 1);
-        assert!(domains.claim(7, b, &mut claims_b), "free again");
-        assert_eq!(domains.owned_contents(), 1);
+        assert_eq!(
+            domains.owner(7),
+            None,
+            "owned by none once its owner is gone"
+        );
+        assert!(domains.claim(7, b, &mut claims_b), "b's to mark all along");
         assert!(domains.leave("uid 1000", &claims_b));
         assert_eq!((domains.count(), domains.owned_contents()), (0, 0));
         assert_ne!(domains.join("uid 0"), a, "numbers are never reused");
@@ -287,16 +346,18 @@ mod tests {
     }
 
     #[test]
-    fn a_contested_content_is_no_domains_to_mark() {
+    fn a_content_contested_in_one_domain_is_still_the_others_to_mark() {
         let mut domains = Domains::default();
-        let a = domains.join("uid 0");
-        let mut claims = KeySet::default();
-        assert!(domains.claim(7, a, &mut claims));
-        assert_eq!(domains.owner(7), Some(a));
+        let (a, b) = (domains.join("uid 0"), domains.join("uid 1000"));
+        let (mut claims_a, mut claims_b) = (KeySet::default(), KeySet::default());
+        assert!(domains.claim(7, a, &mut claims_a));
         assert_eq!(domains.id_of("uid 0"), Some(a));
-        domains.contest(7);
-        assert!(!domains.claim(7, a, &mut claims), "not even its owner's");
-        assert!(domains.claim(8, a, &mut claims), "other contents are");
+        domains.contest(7, b);
+        assert!(!domains.claim(7, b, &mut claims_b), "b gave way on it");
+        assert!(domains.claim(7, a, &mut claims_a), "a did not");
+        assert!(domains.claim(8, b, &mut claims_b), "other contents are b's");
         assert_eq!(domains.contested(), 1);
+        assert!(domains.leave("uid 1000", &claims_b));
+        assert_eq!(domains.contested(), 0, "forgotten with the domain");
     }
 }

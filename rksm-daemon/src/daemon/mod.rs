@@ -17,7 +17,7 @@ pub mod domains;
 
 use std::{
     cell::RefCell,
-    collections::{BTreeMap, HashMap, HashSet},
+    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
     fmt,
     os::fd::BorrowedFd,
     path::PathBuf,
@@ -30,10 +30,11 @@ use rksm_common::PAGE_SIZE;
 use serde::{Deserialize, Serialize};
 
 use self::domains::Domains;
-pub use self::domains::{DomainPolicy, OutsiderPolicy};
+pub use self::domains::{DomainPolicy, OutsiderPolicy, SeveralDomains};
 use crate::{
     ebpf::{
         guard,
+        marks::MarkWatch,
         recorder::Recorder,
         tracer::{Tracer, TracerConfig, TracerError},
         waits,
@@ -95,6 +96,8 @@ pub struct DaemonConfig {
     pub checksum: ChecksumKind,
     /// Which targets may share merged pages.
     pub domain: DomainPolicy,
+    /// Whether the targets may span more than one merge domain.
+    pub several_domains: SeveralDomains,
     /// What to do about processes outside the targets, of another domain, that mark their own
     /// memory mergeable.
     pub outsiders: OutsiderPolicy,
@@ -125,6 +128,7 @@ impl Default for DaemonConfig {
             write_protect: WriteProtectChoice::Auto,
             checksum: ChecksumKind::Xxh64,
             domain: DomainPolicy::Uid,
+            several_domains: SeveralDomains::Refuse,
             outsiders: OutsiderPolicy::Refuse,
             ksm_root: PathBuf::from(ksmd::KSM_SYSFS),
             ksm_state: PathBuf::from(ksmd::STATE_PATH),
@@ -164,6 +168,9 @@ pub enum DaemonError {
     /// /proc/kpageflags and friends.
     #[error(transparent)]
     Procfs(#[from] ProcfsError),
+    /// The targets span several merge domains, and that was not allowed.
+    #[error("the targets span {} merge domains: {}; over one ksmd each could learn whether another holds a page it guesses (docs/security.md); select one domain's processes, use --domain none if they may share pages, or allow it with --several-domains allow", .0.len(), .0.join("; "))]
+    SeveralDomains(Vec<String>),
     /// Processes outside the targets could probe other domains' pages through ksmd.
     #[error("processes outside the targets mark their memory mergeable in another merge domain, so ksmd would merge their pages with the targets' and they could probe every page rksm marks: {}; target them too, use one domain (--domain none), or start anyway with --outsiders warn", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "))]
     MergeableOutsiders(Vec<domains::Outsider>),
@@ -408,6 +415,12 @@ pub struct Daemon {
     self_marked_warned: HashSet<ProcessId>,
     /// More than one merge domain among the targets and the mergeable outsiders.
     several_domains: bool,
+    /// The checksum of a page of zeros.
+    zero_checksum: u64,
+    /// Who asked to make memory mergeable between two looks for outsiders.
+    marks: Option<MarkWatch>,
+    /// A selection by name alone was found to span several users, and said so.
+    warned_name_only: bool,
     /// The borrows' process-wide counters, and the guard's handovers, when the daemon
     /// started: its own are the difference.
     borrows_at_start: remote::BorrowCounters,
@@ -536,6 +549,17 @@ impl Daemon {
             },
             dirty,
         )?;
+        let zero_checksum = config.checksum.checksum(&[0; PAGE_SIZE as usize]);
+        let marks = match config.domain {
+            DomainPolicy::None => None,
+            _ => MarkWatch::load()
+                .inspect_err(|e| {
+                    log::info!(
+                        "no mark watch ({e}): a process that marks its memory mergeable and unmarks it again between two passes is not seen"
+                    )
+                })
+                .ok(),
+        };
         let mut daemon = Daemon {
             marker: Marker::new(config.policy),
             config,
@@ -560,12 +584,18 @@ impl Daemon {
             crossings_looked_at: None,
             self_marked_warned: HashSet::new(),
             several_domains: false,
+            zero_checksum,
+            marks,
+            warned_name_only: false,
             ksmd_busy_until: 0,
             ksmd_backlog: KsmdBacklog::default(),
             started: SystemTime::now(),
             last_pass: None,
         };
-        daemon.adopt(selection.processes);
+        daemon.adopt(selection.processes, true);
+        if daemon.domains.count() > 1 && daemon.config.several_domains == SeveralDomains::Refuse {
+            return Err(DaemonError::SeveralDomains(daemon.domains_with_pids()));
+        }
         let outsiders = daemon.new_outsiders();
         if !outsiders.is_empty() && daemon.config.outsiders == OutsiderPolicy::Refuse {
             return Err(DaemonError::MergeableOutsiders(outsiders));
@@ -636,14 +666,14 @@ impl Daemon {
         between_scan_and_mark();
         let cow_breaks = self.account_cow_breaks(&report, now);
         self.undo_crossings();
-        let runs_marked = self.mark(&report, now);
+        let (runs_marked, pages_marked) = self.mark(&report, now);
         let sharing_before = self.stats.pages_sharing;
         self.account(&report);
-        // Work for ksmd: runs newly marked, duplicates newly found (in marked runs too: a page
+        // Work for ksmd: pages newly marked, duplicates newly found (in marked runs too: a page
         // whose merge broke and that is a duplicate again), and, while it sweeps, ksmd still
         // merging.
         let work = KsmdWork {
-            new: runs_marked + report.total.duplicate_pages,
+            new: pages_marked + report.total.duplicate_pages,
             merged: self.stats.pages_sharing.saturating_sub(sharing_before),
         };
         self.pace_ksmd(work);
@@ -669,8 +699,10 @@ impl Daemon {
         summary
     }
 
-    /// Adopts the processes not yet targets and not refused: each gets its record.
-    fn adopt(&mut self, processes: Vec<Process>) {
+    /// Adopts the processes not yet targets and not refused: each gets its record. At start
+    /// every match is taken (several domains are then refused as a whole); later, with
+    /// `--several-domains refuse`, a process of another domain than the targets' is not.
+    fn adopt(&mut self, processes: Vec<Process>, at_start: bool) {
         let mut short = 0;
         // Their pidfds are open already: when a pass's files fit beside them all, none need
         // be dropped, and the room is not tried again for each.
@@ -691,6 +723,19 @@ impl Daemon {
             let Some(name) = self.config.domain.domain_of(pid) else {
                 continue;
             };
+            if !at_start
+                && self.config.several_domains == SeveralDomains::Refuse
+                && self.domains.count() > 0
+                && self.domains.id_of(&name).is_none()
+            {
+                let why = format!(
+                    "it is in merge domain {}, the targets in {} (--several-domains refuse)",
+                    procfs::printable(&name),
+                    procfs::printable(&self.domains.names().join(", "))
+                );
+                self.count_refusal(process.id(), "other_domain", &why);
+                continue;
+            }
             let domain = self.domains.join(&name);
             log::info!(
                 pid, comm = process.comm(), domain = name.as_str();
@@ -714,6 +759,50 @@ impl Daemon {
         if short > 0 {
             self.short_of_files(short, "new process(es) not adopted");
         }
+        self.warn_if_named_by_anyone();
+    }
+
+    /// Warns, once, when processes selected by command name alone belong to several users:
+    /// any user can give a process of theirs that name.
+    fn warn_if_named_by_anyone(&mut self) {
+        if self.warned_name_only || !self.config.targets.by_name_only() {
+            return;
+        }
+        let users: BTreeSet<u32> = self
+            .targets
+            .values()
+            .flat_map(|t| t.process().uids())
+            .collect();
+        if users.len() > 1 {
+            self.warned_name_only = true;
+            let users: Vec<String> = users.iter().map(u32::to_string).collect();
+            log::warn!(
+                "the targets are selected by command name alone and belong to several users (uid {}): any user can name a process so; select them by --cgroup or --uid, and narrow that with --comm",
+                users.join(", ")
+            );
+        }
+    }
+
+    /// Each domain with targets in it, and the first of its targets' pids, for people.
+    fn domains_with_pids(&self) -> Vec<String> {
+        self.domains
+            .names()
+            .into_iter()
+            .map(|name| {
+                let pids: Vec<String> = self
+                    .targets
+                    .values()
+                    .filter(|t| t.domain_name() == name)
+                    .map(|t| t.pid().to_string())
+                    .collect();
+                let more = if pids.len() > 8 { ", ..." } else { "" };
+                format!(
+                    "{} (pid {}{more})",
+                    procfs::printable(name),
+                    pids[..pids.len().min(8)].join(", ")
+                )
+            })
+            .collect()
     }
 
     /// Drops `pid`'s record, and with it everything kept about the process.
@@ -832,7 +921,7 @@ impl Daemon {
                         }
                     }
                 }
-                self.adopt(selection.processes);
+                self.adopt(selection.processes, false);
             }
             Err(e) => log::warn!("refreshing targets: {e}"),
         }
@@ -915,7 +1004,8 @@ impl Daemon {
             .collect();
         self.outsiders_seen
             .retain(|id| ProcessId::of(id.pid) == Some(*id));
-        self.outsiders = domains::mergeable_outsiders(self.config.domain, &pids, &names);
+        let marked = self.marks.as_ref().map(MarkWatch::take).unwrap_or_default();
+        self.outsiders = domains::mergeable_outsiders(self.config.domain, &pids, &names, &marked);
         self.outsiders
             .iter()
             .filter(|o| ProcessId::of(o.pid).is_some_and(|id| !self.outsiders_seen.contains(&id)))
@@ -1060,8 +1150,8 @@ impl Daemon {
 
     /// Step 4b: finds KSM frames mapped in more than one merge domain ([`crossings`]), counts
     /// and logs them, and undoes them in the targets: the mappings of the domains that must
-    /// give way are unmarked (which unmerges them), and the content is never marked again in
-    /// any domain. Only ksmd merges, so a look is taken only with more than one domain among
+    /// give way are unmarked (which unmerges them), and those domains do not mark the content
+    /// again (or, if they gave way to an outsider, back off). Only ksmd merges, so a look is taken only with more than one domain among
     /// the targets and the mergeable outsiders, and only if ksmd has scanned since the last
     /// look or who is in which domain changed: after convergence, with ksmd idle, it costs
     /// nothing. A look reads smaps and pagemap of every mergeable VMA of those processes.
@@ -1113,35 +1203,60 @@ impl Daemon {
         if found.crossings.is_empty() {
             return;
         }
-        // Which pages of which targets give way; their contents are contested from now on.
-        let mut give_way: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
-        for crossing in &found.crossings {
-            let sum_of = |m: &crossings::Mapping| {
-                let info = self.targets.get(&m.pid)?.pages.get(m.addr)?;
-                (info.checksum != NO_CHECKSUM).then_some(info.checksum)
-            };
-            let sum = crossing.mappings.iter().find_map(sum_of);
-            let owner = sum.and_then(|s| self.domains.owner(s));
-            for m in crossing.to_undo(owner) {
-                give_way.entry(m.pid).or_default().push(m.addr);
-            }
-            if let Some(sum) = sum {
-                self.domains.contest(sum);
-            }
-        }
-        let described: Vec<String> = found
+        // Zeros tell nobody anything: a frame of zeros is not a crossing, so no outsider can
+        // stop the targets from merging theirs.
+        let zero = self.zero_checksum;
+        let sum_of = |targets: &BTreeMap<u32, Target>, m: &crossings::Mapping| {
+            let info = targets.get(&m.pid)?.pages.get(m.addr)?;
+            (info.checksum != NO_CHECKSUM).then_some(info.checksum)
+        };
+        let crossings: Vec<(&crossings::Crossing, Option<u64>)> = found
             .crossings
             .iter()
+            .map(|c| (c, c.mappings.iter().find_map(|m| sum_of(&self.targets, m))))
+            .filter(|&(_, sum)| sum != Some(zero))
+            .collect();
+        if crossings.is_empty() {
+            return;
+        }
+        // Which pages of which targets give way. A domain that gave way to another domain of
+        // targets never marks the content again; one that gave way to an outsider backs off
+        // (the region, for longer each time), so an outsider holding a content does not end
+        // its merging for good.
+        let mut give_way: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
+        let mut again_later: Vec<(u32, u64, u64)> = Vec::new();
+        let now = self.stats.full_scans;
+        for &(crossing, sum) in &crossings {
+            let owner = sum.and_then(|s| self.domains.owner(s));
+            let to_an_outsider =
+                crossing.keeper(owner).is_none() || crossing.mappings.iter().any(|m| !m.target);
+            for m in crossing.to_undo(owner) {
+                give_way.entry(m.pid).or_default().push(m.addr);
+                match sum {
+                    Some(sum) if !to_an_outsider => self.domains.contest(sum, m.domain),
+                    _ => {
+                        if let Some(target) = self.targets.get_mut(&m.pid) {
+                            target.backoff.hit(m.addr >> REGION_SHIFT, now);
+                        }
+                        if let Some(sum) = sum {
+                            again_later.push((m.pid, m.addr, sum));
+                        }
+                    }
+                }
+            }
+        }
+        let described: Vec<String> = crossings
+            .iter()
             .take(4)
-            .map(|c| self.describe(c))
+            .map(|(c, _)| self.describe(c))
             .collect();
         log::warn!(
             "{} KSM frames were mapped in more than one merge domain ({}{}); unmarking them in the targets that must give way",
-            found.crossings.len(),
+            crossings.len(),
             described.join("; "),
-            if found.crossings.len() > 4 { "; ..." } else { "" }
+            if crossings.len() > 4 { "; ..." } else { "" }
         );
-        self.stats.cross_domain_merges += found.crossings.len() as u64;
+        self.stats.cross_domain_merges += crossings.len() as u64;
         for (pid, mut pages) in give_way {
             let Some(target) = self.targets.get_mut(&pid) else {
                 continue;
@@ -1151,6 +1266,10 @@ impl Daemon {
             for page in &pages {
                 target.merged.remove(page);
                 target.candidates.remove(page);
+            }
+            // Given way to an outsider: a candidate again once the back-off ends.
+            for &(_, page, sum) in again_later.iter().filter(|&&(p, ..)| p == pid) {
+                target.candidates.insert(page, sum);
             }
             // What rksm marked is unmarked; what the process marked itself is its own.
             let mut mine: Vec<Run> = Vec::new();
@@ -1200,9 +1319,10 @@ impl Daemon {
         format!("frame {:#x}: {}", crossing.pfn, who.join(", "))
     }
 
-    /// Step 5: marks the new duplicate runs of every target; returns how many were marked.
-    fn mark(&mut self, report: &PassReport, now: u64) -> u64 {
-        let mut runs_marked = 0;
+    /// Step 5: marks the new duplicate runs of every target; returns how many runs, and
+    /// pages in them, were marked.
+    fn mark(&mut self, report: &PassReport, now: u64) -> (u64, u64) {
+        let (mut runs_marked, mut pages_marked) = (0, 0);
         let mut refusals = Vec::new();
         // Contents already merged somewhere belong to that process's domain.
         for (pid, sums) in &report.ksm_checksums {
@@ -1240,7 +1360,7 @@ impl Daemon {
                 if target.backoff.blocks(page, now) {
                     continue;
                 }
-                // First domain to mark a content owns it.
+                // Decided from this domain's own history only.
                 if self.domains.claim(sum, domain, &mut target.owned) {
                     mine.push(page);
                 }
@@ -1254,6 +1374,7 @@ impl Daemon {
             match self.marker.mark(target, &runs) {
                 Ok(outcome) => {
                     runs_marked += outcome.runs;
+                    pages_marked += outcome.pages;
                     self.marking_syscalls += outcome.remote_syscalls;
                 }
                 Err(RemoteError::Refused { reason, .. }) => refusals.push((pid, reason)),
@@ -1267,7 +1388,7 @@ impl Daemon {
         for (pid, reason) in refusals {
             self.refuse_remote(pid, reason);
         }
-        runs_marked
+        (runs_marked, pages_marked)
     }
 
     /// Step 6: the daemon's and each target's counters.

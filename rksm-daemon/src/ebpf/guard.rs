@@ -29,7 +29,7 @@ use std::{
 use aya::{
     maps::{HashMap as BpfHashMap, MapData, MapError, RingBuf},
     programs::{ProgramError, TracePoint},
-    Ebpf, EbpfError, EbpfLoader,
+    Ebpf, EbpfError,
 };
 use rksm_common::uffd_guard::{
     CATEGORY, CLAIMS, CREATE_EVENT, CREATE_PROGRAM, HELD, IOCTL_CMD_OFFSET, IOCTL_EVENT,
@@ -161,11 +161,7 @@ impl UffdGuard {
         }
         let tracefs = tracefs::ensure_mounted()?;
         check_layout(tracefs)?;
-        // The object's other maps are the tracer's: kept as small as the kernel allows.
-        let mut ebpf = EbpfLoader::new()
-            .map_max_entries(rksm_common::names::RECORDS, 4096)
-            .map_max_entries(rksm_common::names::TRACKED, 1)
-            .load(EBPF_OBJECT)?;
+        let mut ebpf = super::loader_for(&[HELD]).load(EBPF_OBJECT)?;
         for (name, event) in [(CREATE_PROGRAM, CREATE_EVENT), (IOCTL_PROGRAM, IOCTL_EVENT)] {
             let program: &mut TracePoint = ebpf
                 .program_mut(name)

@@ -15,7 +15,7 @@ use std::{
 use aya::{
     maps::{HashMap as BpfHashMap, MapData, MapError, PerCpuArray, RingBuf},
     programs::{ProgramError, TracePoint},
-    Ebpf, EbpfError, EbpfLoader,
+    Ebpf, EbpfError,
 };
 use rksm_common::{
     names, tracepoint, TracerCounters, TrackedProcess, WriteRecord, DEFAULT_RING_BYTES, PAGE_SIZE,
@@ -130,7 +130,7 @@ impl Tracer {
             source,
             hint: privilege_hint(),
         };
-        let mut ebpf = EbpfLoader::new()
+        let mut ebpf = super::loader_for(&[names::RECORDS, names::TRACKED])
             .map_max_entries(names::RECORDS, ring)
             .map_max_entries(names::TRACKED, config.max_tracked.max(1))
             .load(EBPF_OBJECT)

@@ -16,7 +16,7 @@ use std::sync::{Mutex, OnceLock};
 use aya::{
     maps::{HashMap as BpfHashMap, MapData},
     programs::TracePoint,
-    Ebpf, EbpfLoader,
+    Ebpf,
 };
 use rksm_common::waits::{CATEGORY, ENTERED, PROGRAMS, WAITERS};
 
@@ -64,11 +64,7 @@ impl WaitWatch {
             return Err(GuardError::NotBuiltIn);
         }
         tracefs::ensure_mounted()?;
-        let mut ebpf = EbpfLoader::new()
-            .map_max_entries(rksm_common::names::RECORDS, 4096)
-            .map_max_entries(rksm_common::names::TRACKED, 1)
-            .map_max_entries(rksm_common::uffd_guard::HELD, 1)
-            .load(EBPF_OBJECT)?;
+        let mut ebpf = super::loader_for(&[WAITERS, ENTERED]).load(EBPF_OBJECT)?;
         for (name, event) in PROGRAMS {
             let program: &mut TracePoint = ebpf
                 .program_mut(name)

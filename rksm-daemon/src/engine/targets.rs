@@ -1,8 +1,10 @@
 //! Target selection: which processes the operator's selectors name, and which are refused.
 //!
-//! Selectors (pids, cgroups, a command-name pattern, everything, a process tree) add up; the
-//! minimum age then filters. Each match is opened as a [`Process`] (pinned by a pidfd) or
-//! listed with the reason rksm will not touch it.
+//! Explicit pids are always taken. The sets (cgroups, user ids, everything, a process tree)
+//! add up, and a command-name pattern narrows them: a name is the process's own to choose,
+//! so any user could join a selection made by name alone (which is still allowed, for a
+//! one-user host). The minimum age then filters. Each match is opened as a [`Process`]
+//! (pinned by a pidfd) or listed with the reason rksm will not touch it.
 
 use std::{
     collections::BTreeSet,
@@ -15,15 +17,16 @@ use regex::Regex;
 
 use crate::kernel::{
     limits,
-    process::{Process, RefusalReason, TargetError},
+    process::{status_ids, Process, RefusalReason, TargetError},
     procfs::stat_field,
 };
 
 /// Where cgroups are mounted; relative `--cgroup` paths are taken from here.
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 
-/// Which processes to work on, as the operator selected them. The selectors add up; the
-/// minimum age then filters.
+/// Which processes to work on, as the operator selected them: explicit pids, and the sets
+/// (cgroups, user ids, everything, a process tree), which add up and which `comm` narrows
+/// (or, alone, selects by name); the minimum age then filters.
 #[derive(Debug, Clone, Default)]
 pub struct TargetSpec {
     /// Explicit pids: each must exist and be acceptable, or the selection fails.
@@ -31,7 +34,9 @@ pub struct TargetSpec {
     /// Cgroup directories (v1 or v2), absolute or relative to /sys/fs/cgroup; the processes
     /// of the cgroup and of every cgroup below it.
     pub cgroups: Vec<PathBuf>,
-    /// Processes whose command name (/proc/PID/comm) matches.
+    /// Processes all of whose user ids (real, effective, saved, filesystem) are in this list.
+    pub uids: Vec<u32>,
+    /// Command names (/proc/PID/comm): narrows the sets, or selects by itself.
     pub comm: Option<Regex>,
     /// Every user process.
     pub all: bool,
@@ -45,7 +50,7 @@ pub struct TargetSpec {
 #[derive(Debug, thiserror::Error)]
 pub enum SelectionError {
     /// Nothing was selected at all.
-    #[error("no targets given: use --pid, --cgroup, --comm or --all")]
+    #[error("no targets given: use --pid, --cgroup, --uid, --comm or --all")]
     Empty,
     /// A --pid that cannot be used.
     #[error(transparent)]
@@ -75,11 +80,18 @@ pub struct Selection {
 impl TargetSpec {
     /// Whether any selector was given.
     pub fn is_empty(&self) -> bool {
-        self.pids.is_empty()
-            && self.cgroups.is_empty()
-            && self.comm.is_none()
-            && !self.all
-            && self.tree_of.is_none()
+        self.pids.is_empty() && self.comm.is_none() && !self.has_sets()
+    }
+
+    /// Whether a set selector (cgroups, user ids, everything, a process tree) was given.
+    fn has_sets(&self) -> bool {
+        !self.cgroups.is_empty() || !self.uids.is_empty() || self.all || self.tree_of.is_some()
+    }
+
+    /// Whether processes are selected by command name alone, which any user can give a
+    /// process of theirs.
+    pub fn by_name_only(&self) -> bool {
+        self.comm.is_some() && !self.has_sets()
     }
 
     /// Resolves the selection now. Explicit pids must be usable; processes found through a
@@ -136,14 +148,18 @@ impl TargetSpec {
         let in_tree = self.tree_of.map(descendants).unwrap_or_default();
         let mut candidates = in_cgroups.clone();
         candidates.extend(in_tree.iter().copied());
-        if self.all || self.comm.is_some() {
+        if self.all || !self.uids.is_empty() || self.by_name_only() {
             candidates.extend(all_pids());
         }
-        let wanted = |pid: u32, comm: &str| {
-            self.all
+        let sets = self.has_sets();
+        let wanted = |pid: u32, comm: &str, uids: &dyn Fn() -> Option<[u32; 4]>| {
+            let named = self.comm.as_ref().is_none_or(|re| re.is_match(comm));
+            let in_a_set = self.all
                 || in_cgroups.contains(&pid)
                 || in_tree.contains(&pid)
-                || self.comm.as_ref().is_some_and(|re| re.is_match(comm))
+                || (!self.uids.is_empty()
+                    && uids().is_some_and(|ids| ids.iter().all(|u| self.uids.contains(u))));
+            named && (!sets || in_a_set)
         };
         for pid in candidates {
             if seen.contains(&pid) || known(pid) {
@@ -151,7 +167,9 @@ impl TargetSpec {
             }
             match Process::open(pid) {
                 Ok(process) => {
-                    if wanted(pid, process.comm()) && seen.insert(process.pid()) {
+                    if wanted(pid, process.comm(), &|| Some(process.uids()))
+                        && seen.insert(process.pid())
+                    {
                         selection.processes.push(process);
                     }
                 }
@@ -159,7 +177,7 @@ impl TargetSpec {
                 Err(TargetError::Refused { pid, comm, reason })
                     if reason != RefusalReason::KernelThread =>
                 {
-                    if wanted(pid, &comm) && seen.insert(pid) {
+                    if wanted(pid, &comm, &|| uids_of(pid)) && seen.insert(pid) {
                         selection.refused.push((pid, comm, reason));
                     }
                 }
@@ -209,7 +227,7 @@ fn descendants(root: u32) -> BTreeSet<u32> {
     let parents: Vec<(u32, u32)> = all_pids()
         .into_iter()
         .filter_map(|pid| {
-            let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            let stat = crate::kernel::procfs::read_text(format!("/proc/{pid}/stat")).ok()?;
             Some((pid, stat_field(&stat, 4)?.parse().ok()?))
         })
         .collect();
@@ -227,6 +245,12 @@ fn descendants(root: u32) -> BTreeSet<u32> {
             return tree;
         }
     }
+}
+
+/// The real, effective, saved and filesystem user ids of `pid`.
+fn uids_of(pid: u32) -> Option<[u32; 4]> {
+    let status = fs::read(format!("/proc/{pid}/status")).ok()?;
+    status_ids(&String::from_utf8_lossy(&status), "Uid:")
 }
 
 /// Every numeric entry of /proc: all processes (thread ids are not listed there).

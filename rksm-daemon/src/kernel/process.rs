@@ -108,7 +108,7 @@ pub struct ProcessId {
 impl ProcessId {
     /// The identity of whatever process has `pid` now (`None` if there is none).
     pub fn of(pid: u32) -> Option<ProcessId> {
-        let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let stat = crate::kernel::procfs::read_text(format!("/proc/{pid}/stat")).ok()?;
         let start_ticks = stat_field(&stat, 22)?.parse().ok()?;
         Some(ProcessId { pid, start_ticks })
     }
@@ -120,6 +120,7 @@ pub struct Process {
     pid: u32,
     comm: String,
     start_ticks: u64,
+    uids: [u32; 4],
     pidfd: OwnedFd,
     image_at_open: Option<Image>,
 }
@@ -141,6 +142,7 @@ impl Process {
             pid: tgid,
             comm: stat.comm.clone(),
             start_ticks: stat.start_ticks,
+            uids: stat.uids,
             pidfd,
             image_at_open: None,
         };
@@ -183,6 +185,11 @@ impl Process {
         &self.comm
     }
 
+    /// Its real, effective, saved and filesystem user ids when it was opened.
+    pub fn uids(&self) -> [u32; 4] {
+        self.uids
+    }
+
     /// How long the process has been running.
     pub fn age(&self) -> Duration {
         let started = self.start_ticks as f64 / clock_ticks_per_second();
@@ -199,7 +206,7 @@ impl Process {
         // An executable replaced on disk (a package upgrade) is the same image.
         let exe = exe.to_string_lossy();
         let exe = exe.strip_suffix(" (deleted)").unwrap_or(&exe).to_string();
-        let stat = fs::read_to_string(format!("/proc/{}/stat", self.pid)).ok()?;
+        let stat = crate::kernel::procfs::read_text(format!("/proc/{}/stat", self.pid)).ok()?;
         let start_code = stat_field(&stat, 26)?.parse().ok()?;
         let start_stack = stat_field(&stat, 28)?.parse().ok()?;
         Some(Image {
@@ -308,8 +315,10 @@ impl ProcStat {
             io::ErrorKind::NotFound => TargetError::NotFound(pid),
             _ => TargetError::Io { pid, source },
         };
-        let stat = fs::read_to_string(format!("/proc/{pid}/stat")).map_err(not_found_or_io)?;
-        let status = fs::read_to_string(format!("/proc/{pid}/status")).map_err(not_found_or_io)?;
+        let stat = crate::kernel::procfs::read_text(format!("/proc/{pid}/stat"))
+            .map_err(not_found_or_io)?;
+        let status = crate::kernel::procfs::read_text(format!("/proc/{pid}/status"))
+            .map_err(not_found_or_io)?;
         Self::parse(pid, &stat, &status).ok_or_else(|| TargetError::Io {
             pid,
             source: io::Error::new(io::ErrorKind::InvalidData, "malformed /proc/PID/stat"),

@@ -211,13 +211,25 @@ pub fn read_maps(pid: u32) -> Result<Vec<Vma>, ProcfsError> {
     let path = PathBuf::from(format!("/proc/{pid}/maps"));
     let file = File::open(&path).map_err(|e| io_error(pid, path.clone(), e))?;
     let mut vmas = Vec::new();
-    for line in BufReader::new(file).lines() {
+    // A mapped file's path is raw bytes: see [`read_text`].
+    for line in BufReader::new(file).split(b'\n') {
         let line = line.map_err(|e| io_error(pid, path.clone(), e))?;
-        if let Some(vma) = Vma::parse(&line) {
+        if let Some(vma) = Vma::parse(&String::from_utf8_lossy(&line)) {
             vmas.push(vma);
         }
     }
     Ok(vmas)
+}
+
+/// A /proc file as text. The kernel writes what processes chose (a command name, a mapped
+/// file's path) as raw bytes, which need not be UTF-8: a byte that is not is read as U+FFFD,
+/// so no process can make its files unreadable to rksm by its choice of name.
+pub fn read_text(path: impl AsRef<std::path::Path>) -> io::Result<String> {
+    let bytes = std::fs::read(path)?;
+    Ok(match String::from_utf8(bytes) {
+        Ok(text) => text,
+        Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+    })
 }
 
 /// The VMAs of `pid` that ksmd may merge (`mg` among their VmFlags in /proc/PID/smaps):
@@ -226,7 +238,7 @@ pub fn read_maps(pid: u32) -> Result<Vec<Vma>, ProcfsError> {
 /// process's page tables, so it is for occasional checks, not for every page of a pass.
 pub fn mergeable_ranges(pid: u32) -> Result<Vec<Range>, ProcfsError> {
     let path = PathBuf::from(format!("/proc/{pid}/smaps"));
-    let text = std::fs::read_to_string(&path).map_err(|e| io_error(pid, path, e))?;
+    let text = read_text(&path).map_err(|e| io_error(pid, path, e))?;
     Ok(parse_mergeable_ranges(&text))
 }
 
@@ -285,7 +297,8 @@ pub struct KsmStat {
     /// negative).
     pub process_profit: i64,
     /// Some of its memory is mergeable, by `madvise` or `PR_SET_MEMORY_MERGE`
-    /// (`ksm_mergeable: yes` or `ksm_merge_any: yes`, Linux 6.8).
+    /// (`ksm_mergeable: yes` or `ksm_merge_any: yes`, Linux 6.8; before, ksmd keeps rmap
+    /// items for it or merged some of its pages, which it does for mergeable memory only).
     pub mergeable: bool,
 }
 
@@ -300,9 +313,13 @@ impl KsmStat {
     /// .unwrap();
     /// assert_eq!((stat.merging_pages, stat.process_profit), (5, -20));
     /// assert!(!stat.mergeable);
+    /// // Before Linux 6.8 the file does not say; ksmd's rmap items do.
+    /// let old = rksm::kernel::procfs::KsmStat::parse("ksm_rmap_items 3\n").unwrap();
+    /// assert!(old.mergeable);
     /// ```
     pub fn parse(text: &str) -> Option<KsmStat> {
         let mut stat = KsmStat::default();
+        let mut says_mergeable = false;
         for line in text.lines() {
             let mut words = line.split_whitespace();
             let (Some(name), Some(value)) = (words.next(), words.next()) else {
@@ -313,16 +330,22 @@ impl KsmStat {
                 "ksm_zero_pages" => stat.zero_pages = value.parse().ok()?,
                 "ksm_rmap_items" => stat.rmap_items = value.parse().ok()?,
                 "ksm_process_profit" => stat.process_profit = value.parse().ok()?,
-                "ksm_mergeable:" | "ksm_merge_any:" => stat.mergeable |= value == "yes",
+                "ksm_mergeable:" | "ksm_merge_any:" => {
+                    says_mergeable = true;
+                    stat.mergeable |= value == "yes";
+                }
                 _ => {}
             }
+        }
+        if !says_mergeable {
+            stat.mergeable = stat.rmap_items > 0 || stat.merging_pages > 0;
         }
         Some(stat)
     }
 
     /// Reads /proc/PID/ksm_stat (absent before Linux 6.1, and for exited processes).
     pub fn read(pid: u32) -> Option<KsmStat> {
-        Self::parse(&std::fs::read_to_string(format!("/proc/{pid}/ksm_stat")).ok()?)
+        Self::parse(&read_text(format!("/proc/{pid}/ksm_stat")).ok()?)
     }
 }
 

@@ -20,7 +20,7 @@
 //! with a neighbour) reports every page, holes included, as soft-dirty until the next clear.
 
 use std::{
-    fs::{self, OpenOptions},
+    fs::OpenOptions,
     io::{self, Write},
     sync::OnceLock,
     time::{Duration, Instant},
@@ -287,7 +287,7 @@ pub fn clear_refs_among(files: &[(String, String)]) -> Option<String> {
 /// The minor faults of every thread of `pid` so far (/proc/PID/stat field 10): a write fault
 /// on a page protected by a clear counts here before the clear can start.
 pub fn minor_faults(pid: u32) -> Option<u64> {
-    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let stat = crate::kernel::procfs::read_text(format!("/proc/{pid}/stat")).ok()?;
     procfs::stat_field(&stat, 10)?.parse().ok()
 }
 
@@ -304,7 +304,7 @@ mod tests {
         // SAFETY: mapped, writable, ours.
         unsafe { page.0.write_volatile(1) };
         let me = std::process::id();
-        fs::write(format!("/proc/{me}/clear_refs"), "4").expect("clearing our own bits");
+        std::fs::write(format!("/proc/{me}/clear_refs"), "4").expect("clearing our own bits");
         assert!(!page.entry().unwrap().soft_dirty(), "clean after a clear");
         // SAFETY: as above.
         unsafe { page.0.write_volatile(2) };

@@ -28,7 +28,7 @@ use regex::Regex;
 use serde::{de::Error as _, Deserialize, Deserializer};
 
 use crate::{
-    daemon::{DirtyMode, DomainPolicy, OutsiderPolicy},
+    daemon::{DirtyMode, DomainPolicy, OutsiderPolicy, SeveralDomains},
     engine::{checksum::ChecksumKind, dirty::protection::WriteProtectChoice},
 };
 
@@ -72,7 +72,10 @@ pub struct ConfigFile {
     /// `--cgroup`: cgroups whose processes to work on.
     #[serde(default)]
     pub cgroup: Vec<PathBuf>,
-    /// `--comm`: command names to work on.
+    /// `--uid`: users whose processes to work on.
+    #[serde(default)]
+    pub uid: Vec<u32>,
+    /// `--comm`: command names to work on (narrows the others).
     #[serde(default, deserialize_with = "regex")]
     pub comm: Option<Regex>,
     /// `--all`: every user process.
@@ -93,6 +96,9 @@ pub struct ConfigFile {
     /// `--domain`.
     #[serde(default, deserialize_with = "parsed")]
     pub domain: Option<DomainPolicy>,
+    /// `--several-domains`: `refuse` or `allow`.
+    #[serde(default, deserialize_with = "parsed")]
+    pub several_domains: Option<SeveralDomains>,
     /// `--outsiders`: `refuse` or `warn`.
     #[serde(default, deserialize_with = "parsed")]
     pub outsiders: Option<OutsiderPolicy>,
@@ -186,6 +192,7 @@ impl ConfigFile {
     pub fn has_targets(&self) -> bool {
         !self.pid.is_empty()
             || !self.cgroup.is_empty()
+            || !self.uid.is_empty()
             || self.comm.is_some()
             || self.all == Some(true)
     }

@@ -158,6 +158,9 @@ pub struct TargetStatus {
     pub comm: String,
     /// Its merge domain.
     pub domain: String,
+    /// Its merge domain's number (the same while the domain has targets; never reused).
+    #[serde(default)]
+    pub domain_number: u32,
     /// Its write-protect source: `userfaultfd`, `soft-dirty` or `none`.
     #[serde(default)]
     pub write_protect: String,
@@ -181,6 +184,7 @@ impl TargetStatus {
             pid: target.pid(),
             comm: target.process().comm().into(),
             domain: target.domain_name().into(),
+            domain_number: target.domain(),
             write_protect: target.write_protect().0.to_string(),
             write_protect_why: target.write_protect().1.into(),
             counters: target.counters.clone(),
@@ -231,7 +235,37 @@ fn render(status: &Status, per_target: bool) -> String {
         )],
     );
     let last = status.last_pass.as_ref();
-    let daemon_wide: [(&str, &str, &str, f64); 23] = [
+    let daemon_wide: [(&str, &str, &str, f64); 28] = [
+        (
+            "pages_sharing",
+            "gauge",
+            "Further mappings of KSM pages: pages saved (ksmd's counter, over every process that marks memory mergeable; without outsiders, the targets).",
+            c.pages_sharing as f64,
+        ),
+        (
+            "pages_shared",
+            "gauge",
+            "KSM pages in use (ksmd's counter, likewise).",
+            c.pages_shared as f64,
+        ),
+        (
+            "saved_bytes",
+            "gauge",
+            "Memory merging saves: pages_sharing in bytes.",
+            (c.pages_sharing * rksm_common::PAGE_SIZE) as f64,
+        ),
+        (
+            "pages_hashed",
+            "counter",
+            "Pages read and checksummed, all targets.",
+            c.pages_hashed as f64,
+        ),
+        (
+            "pages_skipped_clean",
+            "counter",
+            "Pages the dirty source proved clean, not read, all targets.",
+            c.pages_skipped_clean as f64,
+        ),
         (
             "full_scans",
             "counter",
@@ -400,66 +434,72 @@ fn render(status: &Status, per_target: bool) -> String {
     type Field = fn(&TargetStatus) -> Option<f64>;
     let per_target_series: [(&str, &str, &str, Field); 9] = [
         (
-            "pages_volatile",
+            "target_pages_volatile",
             "gauge",
             "Pages whose checksum changed since the pass before (last pass).",
             |t| Some(t.counters.pages_volatile as f64),
         ),
-        ("pages_marked", "gauge", "Pages marked mergeable.", |t| {
-            Some(t.counters.pages_marked as f64)
-        }),
         (
-            "pages_hashed",
+            "target_pages_marked",
+            "gauge",
+            "Pages marked mergeable.",
+            |t| Some(t.counters.pages_marked as f64),
+        ),
+        (
+            "target_pages_hashed",
             "counter",
             "Pages read and checksummed.",
             |t| Some(t.counters.pages_hashed as f64),
         ),
         (
-            "pages_skipped_clean",
+            "target_pages_skipped_clean",
             "counter",
             "Pages the dirty source proved clean and were not read.",
             |t| Some(t.counters.pages_skipped_clean as f64),
         ),
         (
-            "write_faults",
+            "target_write_faults",
             "counter",
             "Write faults the tracer saw.",
             |t| Some(t.counters.write_faults as f64),
         ),
         (
-            "cow_breaks",
+            "target_cow_breaks",
             "counter",
             "Writes the tracer saw to merged pages.",
             |t| Some(t.counters.cow_breaks as f64),
         ),
         (
-            "dirty_misses",
+            "target_dirty_misses",
             "counter",
             "Written pages the tracer missed and the audit found.",
             |t| Some(t.counters.dirty_misses as f64),
         ),
         (
-            "ksm_merging_pages",
+            "target_ksm_merging_pages",
             "gauge",
             "The kernel's count of the target's pages mapped to KSM pages (/proc/PID/ksm_stat).",
             |t| t.ksm_merging_pages.map(|v| v as f64),
         ),
         (
-            "ksm_process_profit_bytes",
+            "target_ksm_process_profit_bytes",
             "gauge",
             "The kernel's ksm_process_profit for the target, in bytes.",
             |t| t.ksm_process_profit.map(|v| v as f64),
         ),
     ];
-    if !per_target {
-        // Per merge domain: sums over its targets.
-        let mut domains: std::collections::BTreeMap<&str, [f64; 3]> = Default::default();
-        for t in &status.targets {
-            let sums = domains.entry(t.domain.as_str()).or_default();
-            sums[0] += 1.0;
-            sums[1] += t.counters.pages_marked as f64;
-            sums[2] += t.ksm_merging_pages.unwrap_or(0) as f64;
-        }
+    // Per merge domain: sums over its targets. Without the token a domain is its number
+    // only: a uid or a cgroup path would say whose processes these are.
+    let mut domains: std::collections::BTreeMap<(u32, &str), [f64; 3]> = Default::default();
+    for t in &status.targets {
+        let sums = domains
+            .entry((t.domain_number, t.domain.as_str()))
+            .or_default();
+        sums[0] += 1.0;
+        sums[1] += t.counters.pages_marked as f64;
+        sums[2] += t.ksm_merging_pages.unwrap_or(0) as f64;
+    }
+    {
         for (i, (name, help)) in [
             ("domain_targets", "Targets in the merge domain."),
             (
@@ -476,10 +516,20 @@ fn render(status: &Status, per_target: bool) -> String {
         {
             let samples: Vec<(String, f64)> = domains
                 .iter()
-                .map(|(d, sums)| (labels(&[("domain", d)]), sums[i]))
+                .map(|((number, name), sums)| {
+                    let number = number.to_string();
+                    let pairs: &[(&str, &str)] = if per_target {
+                        &[("domain", &number), ("name", name)]
+                    } else {
+                        &[("domain", &number)]
+                    };
+                    (labels(pairs), sums[i])
+                })
                 .collect();
             family(name, "gauge", help, &samples);
         }
+    }
+    if !per_target {
         return out;
     }
     for (name, kind, help, field) in per_target_series {
@@ -523,21 +573,30 @@ pub struct HttpAccess {
 }
 
 impl HttpAccess {
-    /// Reads the token from `path`: one line, kept from other users (mode 0600 or
-    /// narrower), or a one-line reason why not.
+    /// Reads the token from `path`: one line, in a file owned by rksm's user (root) and
+    /// kept from other users (mode 0600 or narrower), or a one-line reason why not. The
+    /// checks are made on the file opened, so a file swapped in between is not read; a link
+    /// (a Kubernetes secret volume's) is followed to the file it names.
     pub fn read_token(path: &Path) -> Result<String, String> {
-        use std::os::unix::fs::PermissionsExt;
-        let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        if meta.permissions().mode() & 0o077 != 0 {
-            return Err(format!(
-                "{}: the metrics token file must not be readable by group or others (chmod 600)",
-                path.display()
+        use std::os::unix::fs::MetadataExt;
+        let fail = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
+        let mut file = std::fs::File::open(path).map_err(|e| fail(&e))?;
+        let meta = file.metadata().map_err(|e| fail(&e))?;
+        let me = nix::unistd::geteuid().as_raw();
+        if meta.uid() != me {
+            return Err(fail(&format_args!(
+                "the metrics token file must be owned by uid {me}, rksm's user, not uid {} (chown)",
+                meta.uid()
+            )));
+        }
+        if meta.mode() & 0o077 != 0 {
+            return Err(fail(
+                &"the metrics token file must not be readable by group or others (chmod 600)",
             ));
         }
-        let token = std::fs::read_to_string(path)
-            .map_err(|e| format!("{}: {e}", path.display()))?
-            .trim()
-            .to_string();
+        let mut token = String::new();
+        file.read_to_string(&mut token).map_err(|e| fail(&e))?;
+        let token = token.trim().to_string();
         if token.len() < 16 || token.contains(char::is_whitespace) {
             return Err(format!(
                 "{}: the metrics token must be one word of at least 16 characters",
@@ -791,7 +850,60 @@ fn answer_unix(mut stream: UnixStream, status: &Status) -> io::Result<()> {
     }
     let mut body = serde_json::to_vec(status).map_err(io::Error::other)?;
     body.push(b'\n');
-    stream.write_all(&body)
+    write_by(
+        &mut stream,
+        &body,
+        std::time::Instant::now() + CLIENT_DEADLINE,
+    )
+}
+
+/// Writes all of `bytes` to `stream` by `deadline`, or fails with `TimedOut`: a client that
+/// stops reading holds its thread no longer than that. `stream` must have a write timeout
+/// setter, which each write is given as the time left.
+fn write_by<S: Write + WriteTimeout>(
+    stream: &mut S,
+    mut bytes: &[u8],
+    deadline: std::time::Instant,
+) -> io::Result<()> {
+    while !bytes.is_empty() {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "client too slow"));
+        }
+        stream.set_write_deadline(left)?;
+        match stream.write(bytes) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => bytes = &bytes[n..],
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Err(io::Error::new(io::ErrorKind::TimedOut, "client too slow"))
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// A stream whose writes can be bounded in time.
+trait WriteTimeout {
+    fn set_write_deadline(&self, left: Duration) -> io::Result<()>;
+}
+
+impl WriteTimeout for UnixStream {
+    fn set_write_deadline(&self, left: Duration) -> io::Result<()> {
+        self.set_write_timeout(Some(left))
+    }
+}
+
+impl WriteTimeout for TcpStream {
+    fn set_write_deadline(&self, left: Duration) -> io::Result<()> {
+        self.set_write_timeout(Some(left))
+    }
 }
 
 /// True if `a` equals `b`, in time that does not depend on where they differ.
@@ -833,11 +945,11 @@ fn answer_http(mut stream: TcpStream, status: &Status, token: Option<&str>) -> i
         (true, _) => ("404 Not Found", "rksm serves /metrics\n".into()),
         (false, _) => ("405 Method Not Allowed", "GET only\n".into()),
     };
-    write!(
-        stream,
+    let answer = format!(
         "HTTP/1.1 {code}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
-    )
+    );
+    write_by(&mut stream, answer.as_bytes(), deadline)
 }
 
 /// Writes the public metrics to `path` for node_exporter's textfile collector: to a
@@ -984,17 +1096,63 @@ mod tests {
     }
 
     #[test]
+    fn a_token_file_of_another_owner_or_readable_by_others_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = scratch("token");
+        let token = dir.join("token");
+        std::fs::write(&token, "s3cret-token-for-the-test\n").unwrap();
+        std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert_eq!(
+            HttpAccess::read_token(&token).as_deref(),
+            Ok("s3cret-token-for-the-test")
+        );
+        // Through a link, as a Kubernetes secret volume has it: the file it names counts.
+        let link = dir.join("link");
+        std::os::unix::fs::symlink(&token, &link).unwrap();
+        assert!(HttpAccess::read_token(&link).is_ok());
+        std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o640)).unwrap();
+        let open = HttpAccess::read_token(&link).unwrap_err();
+        assert!(open.contains("chmod 600"), "{open}");
+        if nix::unistd::geteuid().is_root() {
+            std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
+            std::os::unix::fs::chown(&token, Some(65534), None).unwrap();
+            let theirs = HttpAccess::read_token(&token).unwrap_err();
+            assert!(
+                theirs.contains("must be owned by uid 0") && theirs.contains("not uid 65534"),
+                "{theirs}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_answer_to_a_client_that_stops_reading_ends_at_its_deadline() {
+        let (mut ours, theirs) = UnixStream::pair().unwrap();
+        let started = std::time::Instant::now();
+        let deadline = started + Duration::from_millis(300);
+        // Far more than the socket buffers hold; the peer never reads.
+        let body = vec![b'x'; 64 << 20];
+        let err = write_by(&mut ours, &body, deadline).unwrap_err();
+        let took = started.elapsed();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut, "{err}");
+        assert!(
+            took >= Duration::from_millis(300) && took < Duration::from_secs(2),
+            "{took:?}"
+        );
+        drop(theirs);
+    }
+
+    #[test]
     fn metrics_have_the_design_names_per_process_labels_and_types() {
         let text = render_metrics(&sample());
         for line in [
             "# TYPE rksm_full_scans_total counter",
             "rksm_full_scans_total 3",
-            "# TYPE rksm_pages_marked gauge",
-            "rksm_pages_marked{pid=\"10\",comm=\"py\\\"thon\"} 7",
-            "rksm_pages_marked{pid=\"11\",comm=\"node\"} 5",
-            "rksm_dirty_misses_total{pid=\"11\",comm=\"node\"} 0",
-            "# TYPE rksm_pages_hashed_total counter",
-            "rksm_pages_hashed_total{pid=\"10\",comm=\"py\\\"thon\"} 100",
+            "# TYPE rksm_target_pages_marked gauge",
+            "rksm_target_pages_marked{pid=\"10\",comm=\"py\\\"thon\"} 7",
+            "rksm_target_pages_marked{pid=\"11\",comm=\"node\"} 5",
+            "rksm_target_dirty_misses_total{pid=\"11\",comm=\"node\"} 0",
+            "# TYPE rksm_target_pages_hashed_total counter",
+            "rksm_target_pages_hashed_total{pid=\"10\",comm=\"py\\\"thon\"} 100",
             "rksm_targets_refused_total{reason=\"traced\"} 2",
             "# TYPE rksm_checksum_seconds_total counter",
             "# TYPE rksm_general_profit_bytes gauge",
@@ -1022,18 +1180,38 @@ mod tests {
     #[test]
     fn public_metrics_sum_per_domain_and_name_no_process() {
         let mut status = sample();
-        status.targets[0].domain = "uid 1000".into();
-        status.targets[1].domain = "uid 1000".into();
+        for t in &mut status.targets {
+            t.domain = "uid 1000".into();
+            t.domain_number = 3;
+        }
         status.targets[1].comm = "evil\x1b[2J\nrksm_fake 1".into();
+        status.counters.pages_sharing = 5;
+        status.counters.pages_hashed = 40;
+        status.counters.pages_skipped_clean = 60;
         let text = render_public_metrics(&status);
         assert!(!text.contains("pid=") && !text.contains("comm="), "{text}");
+        assert!(
+            !text.contains("uid 1000"),
+            "the domain's user shows:\n{text}"
+        );
         for line in [
             "rksm_full_scans_total 3",
-            "rksm_domain_targets{domain=\"uid 1000\"} 2",
-            "rksm_domain_pages_marked{domain=\"uid 1000\"} 12",
+            "rksm_pages_sharing 5",
+            "rksm_saved_bytes 20480",
+            "rksm_pages_hashed_total 40",
+            "rksm_pages_skipped_clean_total 60",
+            "rksm_domain_targets{domain=\"3\"} 2",
+            "rksm_domain_pages_marked{domain=\"3\"} 12",
         ] {
             assert!(text.lines().any(|l| l == line), "no `{line}` in\n{text}");
         }
+        // With the token, the domain's name is there too.
+        let full = render_metrics(&status);
+        assert!(
+            full.lines()
+                .any(|l| l == "rksm_domain_targets{domain=\"3\",name=\"uid 1000\"} 2"),
+            "{full}"
+        );
         // And the full text keeps another user's command name on its own line, escaped.
         let full = render_metrics(&status);
         assert!(!full.contains('\x1b'), "{full}");
