@@ -56,6 +56,7 @@ use crate::{
         process::{Process, ProcessId},
         procfs::{self, ProcfsError},
         ranges::{page_runs, Range},
+        reader::ProcMem,
         remote::{self, RemoteError, RemoteRefusal},
     },
 };
@@ -1204,8 +1205,16 @@ impl Daemon {
             return;
         }
         // Zeros tell nobody anything: a frame of zeros is not a crossing, so no outsider can
-        // stop the targets from merging theirs.
+        // stop the targets from merging theirs. The checksum only says which frames to read;
+        // a frame is passed over only if a target's mapping of it reads as zeros.
         let zero = self.zero_checksum;
+        let holds_zeros = |c: &crossings::Crossing| {
+            c.mappings.iter().find(|m| m.target).is_some_and(|m| {
+                let mut page = [0u8; PAGE_SIZE as usize];
+                ProcMem::open(m.pid).is_ok_and(|mem| mem.read_page(m.addr, &mut page))
+                    && page.iter().all(|&b| b == 0)
+            })
+        };
         let sum_of = |targets: &BTreeMap<u32, Target>, m: &crossings::Mapping| {
             let info = targets.get(&m.pid)?.pages.get(m.addr)?;
             (info.checksum != NO_CHECKSUM).then_some(info.checksum)
@@ -1214,7 +1223,7 @@ impl Daemon {
             .crossings
             .iter()
             .map(|c| (c, c.mappings.iter().find_map(|m| sum_of(&self.targets, m))))
-            .filter(|&(_, sum)| sum != Some(zero))
+            .filter(|&(c, sum)| sum != Some(zero) || !holds_zeros(c))
             .collect();
         if crossings.is_empty() {
             return;
