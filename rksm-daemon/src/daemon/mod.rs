@@ -1152,10 +1152,11 @@ impl Daemon {
     /// Step 4b: finds KSM frames mapped in more than one merge domain ([`crossings`]), counts
     /// and logs them, and undoes them in the targets: the mappings of the domains that must
     /// give way are unmarked (which unmerges them), and those domains do not mark the content
-    /// again (or, if they gave way to an outsider, back off). Only ksmd merges, so a look is taken only with more than one domain among
-    /// the targets and the mergeable outsiders, and only if ksmd has scanned since the last
-    /// look or who is in which domain changed: after convergence, with ksmd idle, it costs
-    /// nothing. A look reads smaps and pagemap of every mergeable VMA of those processes.
+    /// again (or, if they gave way to an outsider, back off). Only ksmd merges, so a look is
+    /// taken only with more than one domain among the targets and the mergeable outsiders,
+    /// and only if ksmd has scanned since the last look or who is in which domain changed:
+    /// after convergence, with ksmd idle, it costs nothing. A look reads smaps and pagemap of
+    /// every mergeable VMA of those processes.
     fn undo_crossings(&mut self) {
         let mut mappers: Vec<crossings::Mapper> = self
             .targets
@@ -1233,12 +1234,11 @@ impl Daemon {
         // (the region, for longer each time), so an outsider holding a content does not end
         // its merging for good.
         let mut give_way: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
-        let mut again_later: Vec<(u32, u64, u64)> = Vec::new();
+        let mut again_later: HashMap<u32, Vec<(u64, u64)>> = HashMap::new();
         let now = self.stats.full_scans;
         for &(crossing, sum) in &crossings {
             let owner = sum.and_then(|s| self.domains.owner(s));
-            let to_an_outsider =
-                crossing.keeper(owner).is_none() || crossing.mappings.iter().any(|m| !m.target);
+            let to_an_outsider = crossing.mappings.iter().any(|m| !m.target);
             for m in crossing.to_undo(owner) {
                 give_way.entry(m.pid).or_default().push(m.addr);
                 match sum {
@@ -1248,7 +1248,7 @@ impl Daemon {
                             target.backoff.hit(m.addr >> REGION_SHIFT, now);
                         }
                         if let Some(sum) = sum {
-                            again_later.push((m.pid, m.addr, sum));
+                            again_later.entry(m.pid).or_default().push((m.addr, sum));
                         }
                     }
                 }
@@ -1277,7 +1277,7 @@ impl Daemon {
                 target.candidates.remove(page);
             }
             // Given way to an outsider: a candidate again once the back-off ends.
-            for &(_, page, sum) in again_later.iter().filter(|&&(p, ..)| p == pid) {
+            for (page, sum) in again_later.remove(&pid).unwrap_or_default() {
                 target.candidates.insert(page, sum);
             }
             // What rksm marked is unmarked; what the process marked itself is its own.

@@ -18,7 +18,7 @@ use regex::Regex;
 use crate::kernel::{
     limits,
     process::{status_ids, Process, RefusalReason, TargetError},
-    procfs::stat_field,
+    procfs::{read_text, stat_field},
 };
 
 /// Where cgroups are mounted; relative `--cgroup` paths are taken from here.
@@ -227,7 +227,7 @@ fn descendants(root: u32) -> BTreeSet<u32> {
     let parents: Vec<(u32, u32)> = all_pids()
         .into_iter()
         .filter_map(|pid| {
-            let stat = crate::kernel::procfs::read_text(format!("/proc/{pid}/stat")).ok()?;
+            let stat = read_text(format!("/proc/{pid}/stat")).ok()?;
             Some((pid, stat_field(&stat, 4)?.parse().ok()?))
         })
         .collect();
@@ -249,8 +249,7 @@ fn descendants(root: u32) -> BTreeSet<u32> {
 
 /// The real, effective, saved and filesystem user ids of `pid`.
 fn uids_of(pid: u32) -> Option<[u32; 4]> {
-    let status = fs::read(format!("/proc/{pid}/status")).ok()?;
-    status_ids(&String::from_utf8_lossy(&status), "Uid:")
+    status_ids(&read_text(format!("/proc/{pid}/status")).ok()?, "Uid:")
 }
 
 /// Every numeric entry of /proc: all processes (thread ids are not listed there).

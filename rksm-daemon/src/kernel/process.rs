@@ -12,7 +12,7 @@ use std::{
     time::Duration,
 };
 
-use crate::kernel::procfs::{clock_ticks_per_second, stat_field};
+use crate::kernel::procfs::{clock_ticks_per_second, read_text, stat_field};
 
 /// `PF_EXITING` in /proc/PID/stat's flags: the task is being torn down.
 const PF_EXITING: u64 = 0x0000_0004;
@@ -108,7 +108,7 @@ pub struct ProcessId {
 impl ProcessId {
     /// The identity of whatever process has `pid` now (`None` if there is none).
     pub fn of(pid: u32) -> Option<ProcessId> {
-        let stat = crate::kernel::procfs::read_text(format!("/proc/{pid}/stat")).ok()?;
+        let stat = read_text(format!("/proc/{pid}/stat")).ok()?;
         let start_ticks = stat_field(&stat, 22)?.parse().ok()?;
         Some(ProcessId { pid, start_ticks })
     }
@@ -206,7 +206,7 @@ impl Process {
         // An executable replaced on disk (a package upgrade) is the same image.
         let exe = exe.to_string_lossy();
         let exe = exe.strip_suffix(" (deleted)").unwrap_or(&exe).to_string();
-        let stat = crate::kernel::procfs::read_text(format!("/proc/{}/stat", self.pid)).ok()?;
+        let stat = read_text(format!("/proc/{}/stat", self.pid)).ok()?;
         let start_code = stat_field(&stat, 26)?.parse().ok()?;
         let start_stack = stat_field(&stat, 28)?.parse().ok()?;
         Some(Image {
@@ -315,10 +315,8 @@ impl ProcStat {
             io::ErrorKind::NotFound => TargetError::NotFound(pid),
             _ => TargetError::Io { pid, source },
         };
-        let stat = crate::kernel::procfs::read_text(format!("/proc/{pid}/stat"))
-            .map_err(not_found_or_io)?;
-        let status = crate::kernel::procfs::read_text(format!("/proc/{pid}/status"))
-            .map_err(not_found_or_io)?;
+        let stat = read_text(format!("/proc/{pid}/stat")).map_err(not_found_or_io)?;
+        let status = read_text(format!("/proc/{pid}/status")).map_err(not_found_or_io)?;
         Self::parse(pid, &stat, &status).ok_or_else(|| TargetError::Io {
             pid,
             source: io::Error::new(io::ErrorKind::InvalidData, "malformed /proc/PID/stat"),

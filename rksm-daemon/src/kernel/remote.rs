@@ -513,9 +513,9 @@ fn choose_thread(pid: u32) -> Result<Pid, RemoteError> {
     {
         let dir = format!("/proc/{pid}/task/{tid}");
         let (Ok(stat), Ok(syscall), Ok(status)) = (
-            crate::kernel::procfs::read_text(format!("{dir}/stat")),
-            crate::kernel::procfs::read_text(format!("{dir}/syscall")),
-            crate::kernel::procfs::read_text(format!("{dir}/status")),
+            procfs::read_text(format!("{dir}/stat")),
+            procfs::read_text(format!("{dir}/syscall")),
+            procfs::read_text(format!("{dir}/status")),
         ) else {
             continue;
         };
@@ -548,7 +548,7 @@ fn choose_thread(pid: u32) -> Result<Pid, RemoteError> {
 /// the executable to read its ELF header would wait with a FUSE server that stopped
 /// answering. The registers at the stop say it again, exactly.
 fn is_32bit_program(pid: u32) -> bool {
-    crate::kernel::procfs::read_text(format!("/proc/{pid}/stat"))
+    procfs::read_text(format!("/proc/{pid}/stat"))
         .ok()
         .and_then(|stat| procfs::stat_field(&stat, 28)?.parse::<u64>().ok())
         .is_some_and(|start_stack| start_stack != 0 && start_stack < 1 << 32)
@@ -560,8 +560,8 @@ fn is_32bit_program(pid: u32) -> bool {
 /// only when the main thread is in a disk wait: otherwise the main thread itself could be
 /// borrowed, and [`RemoteSession::begin`] picks the best one when it is needed.
 pub fn check_borrowable(pid: u32) -> Result<(), RemoteError> {
-    let status = crate::kernel::procfs::read_text(format!("/proc/{pid}/status"))
-        .map_err(|_| RemoteError::Gone(pid))?;
+    let status =
+        procfs::read_text(format!("/proc/{pid}/status")).map_err(|_| RemoteError::Gone(pid))?;
     let refused = |reason| Err(RemoteError::Refused { pid, reason });
     let status = BorrowStatus::parse(&status);
     if let Some(reason) = status.as_ref().and_then(BorrowStatus::refusal) {

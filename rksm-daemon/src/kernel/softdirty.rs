@@ -287,7 +287,7 @@ pub fn clear_refs_among(files: &[(String, String)]) -> Option<String> {
 /// The minor faults of every thread of `pid` so far (/proc/PID/stat field 10): a write fault
 /// on a page protected by a clear counts here before the clear can start.
 pub fn minor_faults(pid: u32) -> Option<u64> {
-    let stat = crate::kernel::procfs::read_text(format!("/proc/{pid}/stat")).ok()?;
+    let stat = procfs::read_text(format!("/proc/{pid}/stat")).ok()?;
     procfs::stat_field(&stat, 10)?.parse().ok()
 }
 
