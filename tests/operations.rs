@@ -542,6 +542,96 @@ fn a_selection_by_name_takes_any_users_process_and_says_so_while_a_uid_narrowed_
     assert!(!took(&narrowed, root.pid()) && took(&narrowed, user_pid));
 }
 
+/// Voluntary context switches of each thread of `pid`, by thread name: how often each went
+/// to sleep, which a thread that sleeps until it has work does once per piece of work.
+fn sleeps_by_thread(pid: u32) -> std::collections::BTreeMap<String, u64> {
+    let mut sleeps = std::collections::BTreeMap::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .flatten()
+    {
+        let dir = task.path();
+        let name = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        let status = std::fs::read_to_string(dir.join("status")).unwrap_or_default();
+        let n: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0);
+        *sleeps.entry(name.trim().to_string()).or_default() += n;
+    }
+    sleeps
+}
+
+#[test]
+fn between_passes_the_daemon_sleeps_while_its_target_writes() {
+    require_root();
+    let _turn = ksm_turn();
+    let dir = Scratch::new("idle");
+    let socket = dir.path("rksm.sock");
+    // A workload rewriting 50 pages a second: write faults the tracer records all the time.
+    let mut workload = Command::new(rksm_tests::built_binary("rksm"))
+        .args(["--no-config", "workload", "--profile", "static"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut ready = [0u8; 6];
+    workload
+        .stdout
+        .as_mut()
+        .unwrap()
+        .read_exact(&mut ready)
+        .unwrap();
+    assert_eq!(&ready, b"ready\n");
+    let daemon = Running::spawn(
+        rksm_command()
+            .args([
+                "--log-level",
+                "warn",
+                "daemon",
+                "--interval",
+                "2",
+                "--socket",
+            ])
+            .arg(&socket)
+            .args(["--pid", &workload.id().to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null()),
+    );
+    let passes = || status_json(&socket).and_then(|j| j["counters"]["full_scans"].as_u64());
+    assert!(
+        wait_for(Duration::from_secs(30), || passes() >= Some(3)),
+        "no steady passes"
+    );
+    let passes_before = passes().unwrap();
+    let before = sleeps_by_thread(daemon.id());
+    let window = Instant::now();
+    while window.elapsed() < Duration::from_secs(6) {
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let after = sleeps_by_thread(daemon.id());
+    let passes_in_window = passes().unwrap() - passes_before;
+    let slept = |thread: &str| after.get(thread).copied().unwrap_or(0) - before[thread];
+    eprintln!(
+        "in 6 s, {passes_in_window} passes: main thread slept {} times, status thread {}",
+        slept("rksm"),
+        slept("rksm-status")
+    );
+    // A pass sleeps a few times (its borrows, its ksmd pacing); between passes the daemon
+    // sleeps once, whatever its target writes (it woke ten times a second to drain the
+    // tracer, and once a second for nothing), and the status server not at all.
+    assert!(
+        slept("rksm") <= 10 * passes_in_window.max(1) + 4,
+        "{passes_in_window} passes, {} sleeps",
+        slept("rksm")
+    );
+    assert!(slept("rksm-status") <= 1, "{}", slept("rksm-status"));
+    drop(daemon);
+    drop(workload.stdin.take());
+    let _ = workload.wait();
+}
+
 #[test]
 fn a_metrics_token_file_others_can_read_is_refused_in_one_line() {
     require_root();

@@ -52,6 +52,10 @@ pub mod names {
     pub const RECORDS: &str = "RKSM_RECORDS";
     /// `PerCpuArray<TracerCounters>` with a single slot.
     pub const COUNTERS: &str = "RKSM_COUNTERS";
+    /// `Array<u64>` with a single slot: when the program wakes the daemon. 0: for the first
+    /// record after the daemon caught up (the ring's own rule, for a daemon that must see
+    /// writes at once); else once this many bytes of records wait unread.
+    pub const WAKE: &str = "RKSM_WAKE";
 }
 
 /// The userfaultfd guard: what lets a target take up userfaultfd itself although rksm holds

@@ -21,8 +21,9 @@ mod marks;
 mod waits;
 
 use aya_ebpf::{
+    bindings::{BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
     macros::{map, tracepoint},
-    maps::{HashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, PerCpuArray, RingBuf},
     programs::TracePointContext,
     EbpfContext,
 };
@@ -37,6 +38,9 @@ static TRACKED: HashMap<u32, TrackedProcess> = HashMap::with_max_entries(MAX_TRA
 
 #[map(name = "RKSM_RECORDS")]
 static RECORDS: RingBuf = RingBuf::with_byte_size(DEFAULT_RING_BYTES, 0);
+
+#[map(name = "RKSM_WAKE")]
+static WAKE: Array<u64> = Array::with_max_entries(1, 0);
 
 #[map(name = "RKSM_COUNTERS")]
 static COUNTERS: PerCpuArray<TracerCounters> = PerCpuArray::with_max_entries(1, 0);
@@ -93,7 +97,7 @@ fn record_write_fault(ctx: &TracePointContext) {
                 _pad: 0,
                 page: address & PAGE_MASK,
             });
-            entry.submit(0);
+            entry.submit(wake_flags());
             true
         }
         (None, Some(entry)) => {
@@ -119,6 +123,20 @@ fn record_write_fault(ctx: &TracePointContext) {
             target: "rksm::ebpf",
             "write record ring full: tgid {} is now treated as fully written", tgid
         );
+    }
+}
+
+/// How a record is submitted: wake the daemon by the ring's own rule (threshold 0), or only
+/// once the records waiting reach the threshold, so that a daemon with nothing to do between
+/// passes sleeps through the writes of its targets.
+#[inline(always)]
+fn wake_flags() -> u64 {
+    match WAKE.get(0).copied().unwrap_or(0) {
+        0 => 0,
+        threshold if RECORDS.query(BPF_RB_AVAIL_DATA as u64) >= threshold => {
+            BPF_RB_FORCE_WAKEUP as u64
+        }
+        _ => BPF_RB_NO_WAKEUP as u64,
     }
 }
 

@@ -1507,11 +1507,22 @@ impl Daemon {
         self.stats.ksmd_taken_back = self.ksmd.taken_back();
     }
 
-    /// Waits until `deadline`, draining the tracer as records arrive; returns early (false)
-    /// when one of `interrupts` becomes readable (a signalfd, a child's pidfd). The ring is
-    /// drained at most every [`DRAIN_EVERY`]: waking for each record would cost a context
-    /// switch per write fault, and the ring holds far more than that interval's faults.
+    /// Waits until `deadline`, draining the tracer when it needs it; returns early (false)
+    /// when one of `interrupts` becomes readable (a signalfd, a child's pidfd). Nothing else
+    /// wakes it: with one domain the tracer wakes it only when a quarter of its ring waits
+    /// unread, with several for every write (to unmark a written marked page at once), and
+    /// then the ring is drained at most every [`DRAIN_EVERY`]: waking for each record would
+    /// cost a context switch per write fault, and the ring holds far more than that
+    /// interval's faults.
     pub fn wait(&mut self, deadline: Instant, interrupts: &[BorrowedFd<'_>]) -> bool {
+        // With several domains a write to a marked page is acted on at once; otherwise the
+        // records wait for the next pass, and the tracer wakes the daemon only to keep its
+        // ring from filling.
+        if let Some(recorder) = &self.recorder {
+            if let Err(e) = recorder.borrow_mut().wake_at_once(self.several_domains) {
+                log::debug!("the tracer's wake-up: {e}");
+            }
+        }
         let mut ring_quiet_until = Instant::now();
         loop {
             let now = Instant::now();
@@ -1526,13 +1537,17 @@ impl Daemon {
                 left.min(ring_quiet_until - now)
             };
             // A thread given up for not stopping in time is let go as soon as it stops: look
-            // every 10 ms while there is one.
-            let longest = if remote::reap_lingering() > 0 {
-                Duration::from_millis(10)
+            // every 10 ms while there is one. Otherwise nothing needs the daemon before the
+            // deadline but the fds polled.
+            let step = if remote::reap_lingering() > 0 {
+                step.min(Duration::from_millis(10))
             } else {
-                Duration::from_secs(1)
+                step
             };
-            let timeout = PollTimeout::try_from(step.min(longest)).unwrap_or(PollTimeout::MAX);
+            // Rounded up: a timeout cut to whole milliseconds would wake just before the
+            // deadline and spin until it.
+            let millis = step.as_nanos().div_ceil(1_000_000).min(i32::MAX as u128) as i32;
+            let timeout = PollTimeout::try_from(millis).unwrap_or(PollTimeout::MAX);
             let recorder = self.recorder.clone();
             let recorder_ref = recorder.as_ref().map(|r| r.borrow());
             let records = recorder_ref.as_ref().map(|r| r.records_fd());

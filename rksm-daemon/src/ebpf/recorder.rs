@@ -64,6 +64,11 @@ impl Recorder {
         self.tracer.records_fd()
     }
 
+    /// See [`Tracer::wake_at_once`].
+    pub fn wake_at_once(&mut self, at_once: bool) -> Result<(), TracerError> {
+        self.tracer.wake_at_once(at_once)
+    }
+
     /// The fd of the program's log ring, if the program logs.
     pub fn log_fd(&self) -> Option<BorrowedFd<'_>> {
         self.tracer.log_fd()

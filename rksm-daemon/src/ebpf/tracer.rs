@@ -13,7 +13,7 @@ use std::{
 };
 
 use aya::{
-    maps::{HashMap as BpfHashMap, MapData, MapError, PerCpuArray, RingBuf},
+    maps::{Array, HashMap as BpfHashMap, MapData, MapError, PerCpuArray, RingBuf},
     programs::{ProgramError, TracePoint},
     Ebpf, EbpfError,
 };
@@ -107,6 +107,10 @@ pub struct Tracer {
     records: RingBuf<MapData>,
     tracked: BpfHashMap<MapData, u32, TrackedProcess>,
     counters: PerCpuArray<MapData, TracerCounters>,
+    /// When the program wakes a reader ([`names::WAKE`]), and the threshold it was set to.
+    wake: Array<MapData, u64>,
+    wake_at: u64,
+    ring_bytes: u64,
     logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
     // Holds the program and its link; declared last so the maps above are dropped first.
     _ebpf: Ebpf,
@@ -173,10 +177,14 @@ impl Tracer {
             .map_err(map_err(names::TRACKED))?;
         let counters = PerCpuArray::try_from(take(&mut ebpf, names::COUNTERS)?)
             .map_err(map_err(names::COUNTERS))?;
+        let wake = Array::try_from(take(&mut ebpf, names::WAKE)?).map_err(map_err(names::WAKE))?;
         Ok(Tracer {
             records,
             tracked,
             counters,
+            wake,
+            wake_at: 0,
+            ring_bytes: u64::from(ring),
             logger,
             _ebpf: ebpf,
         })
@@ -250,7 +258,26 @@ impl Tracer {
         drained
     }
 
-    /// The ring's fd: readable when records are waiting. Poll it to drain before it fills.
+    /// Whether a reader polling [`Tracer::records_fd`] is woken for the first record after
+    /// it caught up (`at_once`, the ring's own rule), or only once a quarter of the ring
+    /// waits unread: enough to drain it before it fills, and no wake-up per write for a
+    /// reader that needs the records only at its next pass.
+    pub fn wake_at_once(&mut self, at_once: bool) -> Result<(), TracerError> {
+        let wake_at = if at_once { 0 } else { self.ring_bytes / 4 };
+        if wake_at != self.wake_at {
+            self.wake
+                .set(0, wake_at, 0)
+                .map_err(|source| TracerError::Map {
+                    map: names::WAKE,
+                    source,
+                })?;
+            self.wake_at = wake_at;
+        }
+        Ok(())
+    }
+
+    /// The ring's fd: readable when records are waiting (see [`Tracer::wake_at_once`]).
+    /// Poll it to drain before it fills.
     pub fn records_fd(&self) -> BorrowedFd<'_> {
         self.records.as_fd()
     }

@@ -618,6 +618,8 @@ const MAX_CLIENTS: usize = 16;
 pub struct StatusServer {
     latest: Arc<Mutex<Status>>,
     stop: Arc<AtomicBool>,
+    /// Dropped to wake the accept loop: it sleeps until a client or this.
+    waker: Option<UnixStream>,
     thread: Option<JoinHandle<()>>,
     socket: PathBuf,
 }
@@ -665,17 +667,19 @@ impl StatusServer {
             .transpose()?;
         let latest = Arc::new(Mutex::new(Status::default()));
         let stop = Arc::new(AtomicBool::new(false));
+        let (waker, woken) = UnixStream::pair().map_err(listen_err("status thread".into()))?;
         let thread = {
             let (latest, stop) = (latest.clone(), stop.clone());
             let token = http.token;
             std::thread::Builder::new()
                 .name("rksm-status".into())
-                .spawn(move || serve(&unix, listener.as_ref(), token, &latest, &stop))
+                .spawn(move || serve(&unix, listener.as_ref(), token, &latest, &stop, &woken))
                 .map_err(listen_err("status thread".into()))?
         };
         Ok(StatusServer {
             latest,
             stop,
+            waker: Some(waker),
             thread: Some(thread),
             socket: socket.into(),
         })
@@ -690,6 +694,8 @@ impl StatusServer {
 impl Drop for StatusServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
+        // Its peer becomes readable (end of file): the accept loop wakes and sees the flag.
+        drop(self.waker.take());
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
@@ -697,13 +703,15 @@ impl Drop for StatusServer {
     }
 }
 
-/// Accepts clients and hands each to a thread of its own.
+/// Accepts clients and hands each to a thread of its own, sleeping until one comes, a
+/// paused listener is due, or `woken` says to look at `stop`.
 fn serve(
     unix: &UnixListener,
     http: Option<&TcpListener>,
     token: Option<String>,
     latest: &Arc<Mutex<Status>>,
     stop: &AtomicBool,
+    woken: &UnixStream,
 ) {
     // Root's socket and the HTTP port each have their own clients' budget, so that a crowd
     // of HTTP clients cannot keep `rksm status` out.
@@ -741,19 +749,32 @@ fn serve(
         let now = Instant::now();
         let unix_open = has_room(&unix_busy) && unix_backoff.ready(now);
         let http_open = http.filter(|_| has_room(&http_busy) && http_backoff.ready(now));
-        let mut fds = Vec::with_capacity(2);
+        let mut fds = Vec::with_capacity(3);
+        fds.push(PollFd::new(woken.as_fd(), PollFlags::POLLIN));
         if unix_open {
             fds.push(PollFd::new(unix.as_fd(), PollFlags::POLLIN));
         }
         if let Some(http) = http_open {
             fds.push(PollFd::new(http.as_fd(), PollFlags::POLLIN));
         }
-        let wait = [unix_backoff.left(now), http_backoff.left(now)]
-            .into_iter()
-            .flatten()
-            .fold(ACCEPT_POLL, Duration::min);
-        let timeout = PollTimeout::try_from(wait).unwrap_or(PollTimeout::ZERO);
+        // A listener left out because its clients are all busy is looked at again after a
+        // while (a client thread ending wakes nobody); one paused, when its pause ends.
+        let full = !has_room(&unix_busy) || (http.is_some() && !has_room(&http_busy));
+        let wait = [
+            unix_backoff.left(now),
+            http_backoff.left(now),
+            full.then_some(BUSY_POLL),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
+        let timeout = wait.map_or(PollTimeout::NONE, |w| {
+            PollTimeout::try_from(w).unwrap_or(PollTimeout::MAX)
+        });
         if poll(&mut fds, timeout).unwrap_or(0) <= 0 {
+            continue;
+        }
+        if fds[0].revents().is_some_and(|r| !r.is_empty()) {
             continue;
         }
         drop(fds);
@@ -787,8 +808,8 @@ fn serve(
     }
 }
 
-/// How often the accept loop looks at its stop flag when no client comes.
-const ACCEPT_POLL: Duration = Duration::from_millis(200);
+/// How often the accept loop looks again at a listener whose clients were all busy.
+const BUSY_POLL: Duration = Duration::from_millis(50);
 
 /// Pauses a listener after a failed accept: 10 ms, doubling up to a second while accepts
 /// keep failing.
