@@ -62,8 +62,8 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<OsString>,
     },
-    /// Run the benchmarks (as root): checksums per page (criterion), scan throughput, and
-    /// what borrowing a thread costs.
+    /// Run the benchmarks (as root): checksums per page (criterion), scan throughput, what
+    /// borrowing a thread costs, and what reading a page costs, whole or sampled.
     Bench {
         /// Only the checksum benchmark (seconds instead of minutes).
         #[arg(long)]
@@ -838,6 +838,11 @@ fn bench(checksums_only: bool) -> Result<()> {
     run_checked(
         cargo()
             .args(["bench", "-p", "rksm", "--bench", "borrow"])
+            .env("RKSM_EBPF_OBJECT", ebpf_object()),
+    )?;
+    run_checked(
+        cargo()
+            .args(["bench", "-p", "rksm", "--bench", "sample"])
             .env("RKSM_EBPF_OBJECT", ebpf_object()),
     )
 }

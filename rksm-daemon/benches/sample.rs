@@ -1,0 +1,148 @@
+//! What reading another process's page costs, whole or as a small sample: the question
+//! behind a first pass that reads in full only the pages whose sample matches another's.
+//!
+//! A forked child owns 64 MiB of pages, each different (it wrote every one after the fork,
+//! so none is shared with this process). Batches of 1,024 of its pages are read with
+//! `process_vm_readv` as the scanner reads them: whole (one 4 MiB remote range), whole and
+//! checksummed with xxh64, a 64-byte sample of each page (one remote iovec per page), and
+//! four 16-byte samples of each page (four iovecs per page, 1,024 per call). Criterion
+//! reports each batch; divide by 1,024 for a page.
+//!
+//! Run: `cargo bench -p rksm --bench sample` (also part of `cargo xtask bench`).
+
+use std::io::IoSliceMut;
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use nix::{
+    sys::uio::{process_vm_readv, RemoteIoVec},
+    unistd::{fork, pipe, read, write, ForkResult, Pid},
+};
+use rksm::engine::checksum::ChecksumKind;
+
+const PAGE: usize = 4096;
+const PAGES: usize = 16 * 1024;
+const BATCH: usize = 1024;
+/// The kernel's limit on iovecs per call.
+const IOV_MAX: usize = 1024;
+
+/// A child that owns `PAGES` distinct pages at `base`, until killed.
+struct Child {
+    pid: Pid,
+    base: usize,
+}
+
+impl Child {
+    fn spawn() -> Child {
+        let mut memory = vec![0u8; PAGES * PAGE];
+        let base = memory.as_mut_ptr() as usize;
+        let (ready_r, ready_w) = pipe().unwrap();
+        // SAFETY: the child only writes its own memory, writes to a pipe and sleeps: all
+        // async-signal-safe, no allocation.
+        match unsafe { fork() }.unwrap() {
+            ForkResult::Child => {
+                for (i, page) in memory.chunks_exact_mut(PAGE).enumerate() {
+                    for (j, word) in page.chunks_exact_mut(8).enumerate() {
+                        word.copy_from_slice(&((i * 512 + j) as u64 * 0x9E37_79B9).to_ne_bytes());
+                    }
+                }
+                let _ = write(&ready_w, b"r");
+                loop {
+                    // SAFETY: pause has no arguments; the parent kills this process.
+                    unsafe { libc::pause() };
+                }
+            }
+            ForkResult::Parent { child } => {
+                drop(ready_w);
+                let mut byte = [0u8; 1];
+                use std::os::fd::AsRawFd;
+                assert_eq!(
+                    read(ready_r.as_raw_fd(), &mut byte).unwrap(),
+                    1,
+                    "the child is ready"
+                );
+                std::mem::forget(memory);
+                Child { pid: child, base }
+            }
+        }
+    }
+
+    /// Page `i` of batch `batch`'s address.
+    fn page(&self, batch: usize, i: usize) -> usize {
+        self.base + ((batch * BATCH + i) % PAGES) * PAGE
+    }
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(self.pid, nix::sys::signal::Signal::SIGKILL);
+        let _ = nix::sys::wait::waitpid(self.pid, None);
+    }
+}
+
+fn reads(c: &mut Criterion) {
+    let child = Child::spawn();
+    let mut whole = vec![0u8; BATCH * PAGE];
+    let mut samples = vec![0u8; BATCH * 64];
+    let mut group = c.benchmark_group("read_1024_pages");
+    group.throughput(Throughput::Elements(BATCH as u64));
+    let mut batch = 0;
+    let mut next = || {
+        batch = (batch + 1) % (PAGES / BATCH);
+        batch
+    };
+    group.bench_function("whole", |b| {
+        b.iter(|| {
+            let remote = [RemoteIoVec {
+                base: child.page(next(), 0),
+                len: BATCH * PAGE,
+            }];
+            let n = process_vm_readv(child.pid, &mut [IoSliceMut::new(&mut whole)], &remote);
+            assert_eq!(n.unwrap(), BATCH * PAGE);
+        })
+    });
+    group.bench_function("whole_xxh64", |b| {
+        b.iter(|| {
+            let remote = [RemoteIoVec {
+                base: child.page(next(), 0),
+                len: BATCH * PAGE,
+            }];
+            let n = process_vm_readv(child.pid, &mut [IoSliceMut::new(&mut whole)], &remote);
+            assert_eq!(n.unwrap(), BATCH * PAGE);
+            whole
+                .chunks_exact(PAGE)
+                .map(|p| ChecksumKind::Xxh64.checksum(p))
+                .fold(0, u64::wrapping_add)
+        })
+    });
+    for (name, pieces) in [("sample_64b", 1usize), ("sample_4x16b", 4)] {
+        let len = 64 / pieces;
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                let batch = next();
+                let child = &child;
+                let remote: Vec<RemoteIoVec> = (0..BATCH)
+                    .flat_map(|i| {
+                        let page = child.page(batch, i);
+                        (0..pieces).map(move |k| RemoteIoVec {
+                            base: page + k * PAGE / pieces + 8,
+                            len,
+                        })
+                    })
+                    .collect();
+                let mut read = 0;
+                for (chunk, out) in remote
+                    .chunks(IOV_MAX)
+                    .zip(samples.chunks_mut(IOV_MAX * len))
+                {
+                    read +=
+                        process_vm_readv(child.pid, &mut [IoSliceMut::new(out)], chunk).unwrap();
+                }
+                assert_eq!(read, BATCH * 64);
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, reads);
+criterion_main!(benches);
