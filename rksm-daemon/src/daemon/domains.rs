@@ -155,6 +155,9 @@ pub fn mergeable_outsiders(
             marked.contains(&pid)
                 || match procfs::read_text(format!("/proc/{pid}/ksm_stat")) {
                     Ok(text) => procfs::KsmStat::parse(&text).is_none_or(|k| k.mergeable),
+                    // Exited, or a kernel before 6.1, which has no ksm_stat: there only the
+                    // mark watch sees who marks.
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
                     Err(_) => alive(pid),
                 }
         })
