@@ -239,8 +239,17 @@ fn status_shows_a_running_daemon_as_text_json_and_metrics() {
     for (child, _) in &kids {
         args.extend(["--pid".into(), child.pid().to_string()]);
     }
+    // Under the unit's umask, which would make a file only root can read.
+    let mut command = rksm_command();
+    // SAFETY: umask is async-signal-safe and changes only the child's creation mask.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut command, || {
+            libc::umask(0o077);
+            Ok(())
+        });
+    }
     let daemon = Running::spawn(
-        rksm_command()
+        command
             .args(&args)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped()),
@@ -368,6 +377,18 @@ fn status_shows_a_running_daemon_as_text_json_and_metrics() {
     let prom = std::fs::read_to_string(&textfile).expect("the metrics textfile");
     assert!(prom.contains("\nrksm_full_scans_total "), "{prom}");
     assert!(!prom.contains("pid="), "{prom}");
+    // The collector runs as another user, and reads it.
+    let as_nobody = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "cat"])
+        .arg(&textfile)
+        .output()
+        .expect("setpriv");
+    assert!(
+        as_nobody.status.success()
+            && String::from_utf8_lossy(&as_nobody.stdout).contains("rksm_full_scans_total"),
+        "{}",
+        String::from_utf8_lossy(&as_nobody.stderr)
+    );
 
     // Clients that connect and send nothing delay nobody, even more of them than the HTTP
     // port serves at once: `rksm status` answers while they hang on.
