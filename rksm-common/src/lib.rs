@@ -99,8 +99,6 @@ pub mod uffd_guard {
 /// (tgid → CLOCK_MONOTONIC nanoseconds of its latest such call), so that one marking its
 /// memory between two of the daemon's looks at /proc is seen all the same.
 pub mod marks {
-    /// Tracefs category of the system-call tracepoints.
-    pub const CATEGORY: &str = "syscalls";
     /// Program names and their tracepoints.
     pub const PROGRAMS: [(&str, &str); 2] = [
         ("rksm_mark_madvise", "sys_enter_madvise"),
@@ -127,8 +125,6 @@ pub mod marks {
 /// (pid → CLOCK_MONOTONIC nanoseconds when it was added, older entries being another
 /// process's).
 pub mod waits {
-    /// Tracefs category of the system-call tracepoints.
-    pub const CATEGORY: &str = "syscalls";
     /// Program names and their tracepoints.
     pub const PROGRAMS: [(&str, &str); 2] = [
         ("rksm_epoll_wait", "sys_enter_epoll_wait"),

@@ -704,7 +704,7 @@ impl Daemon {
     /// every match is taken (several domains are then refused as a whole); later, with
     /// `--several-domains refuse`, a process of another domain than the targets' is not.
     fn adopt(&mut self, processes: Vec<Process>, at_start: bool) {
-        let mut short = 0;
+        let (mut short, before) = (0, self.targets.len());
         // Their pidfds are open already: when a pass's files fit beside them all, none need
         // be dropped, and the room is not tried again for each.
         let roomy = processes
@@ -721,7 +721,8 @@ impl Daemon {
                 short += 1;
                 continue;
             }
-            let Some(name) = self.config.domain.domain_of(pid) else {
+            // The user ids were read when the process was opened, just now.
+            let Some(name) = self.config.domain.domain_with_uids(pid, &process.uids()) else {
                 continue;
             };
             if !at_start
@@ -760,7 +761,9 @@ impl Daemon {
         if short > 0 {
             self.short_of_files(short, "new process(es) not adopted");
         }
-        self.warn_if_named_by_anyone();
+        if self.targets.len() > before {
+            self.warn_if_named_by_anyone();
+        }
     }
 
     /// Warns, once, when processes selected by command name alone belong to several users:

@@ -28,7 +28,7 @@ use std::{
 
 use aya::{
     maps::{HashMap as BpfHashMap, MapData, MapError, RingBuf},
-    programs::{ProgramError, TracePoint},
+    programs::ProgramError,
     Ebpf, EbpfError,
 };
 use rksm_common::uffd_guard::{
@@ -130,49 +130,18 @@ pub fn installed() -> Option<&'static UffdGuard> {
     GUARD.get()
 }
 
-/// Checks that `sys_enter_ioctl` has `cmd` where the program reads it.
-fn check_layout(tracefs: &std::path::Path) -> Result<(), GuardError> {
-    let path = tracefs.join(format!("events/{CATEGORY}/{IOCTL_EVENT}/format"));
-    let text = std::fs::read_to_string(&path).map_err(|e| {
-        GuardError::Layout(format!(
-            "cannot read {}: {e} (a kernel without syscall tracepoints)",
-            path.display()
-        ))
-    })?;
-    match tracefs::parse_format(&text)
-        .iter()
-        .find(|f| f.name == "cmd")
-    {
-        Some(f) if f.offset == IOCTL_CMD_OFFSET => Ok(()),
-        Some(f) => Err(GuardError::Layout(format!(
-            "{CATEGORY}:{IOCTL_EVENT} has `cmd` at offset {}, the program reads {IOCTL_CMD_OFFSET}",
-            f.offset
-        ))),
-        None => Err(GuardError::Layout(format!(
-            "{CATEGORY}:{IOCTL_EVENT} has no field `cmd`"
-        ))),
-    }
-}
-
 impl UffdGuard {
     fn load() -> Result<Self, GuardError> {
         if EBPF_OBJECT.is_empty() {
             return Err(GuardError::NotBuiltIn);
         }
         let tracefs = tracefs::ensure_mounted()?;
-        check_layout(tracefs)?;
+        super::check_syscall_field(tracefs, IOCTL_EVENT, "cmd", IOCTL_CMD_OFFSET)?;
         let mut ebpf = super::loader_for(&[HELD]).load(EBPF_OBJECT)?;
-        for (name, event) in [(CREATE_PROGRAM, CREATE_EVENT), (IOCTL_PROGRAM, IOCTL_EVENT)] {
-            let program: &mut TracePoint = ebpf
-                .program_mut(name)
-                .ok_or(GuardError::Missing(name))?
-                .try_into()
-                .map_err(|e| GuardError::Attach(e, event))?;
-            program.load().map_err(|e| GuardError::Attach(e, event))?;
-            program
-                .attach(CATEGORY, event)
-                .map_err(|e| GuardError::Attach(e, event))?;
-        }
+        super::attach_syscall_programs(
+            &mut ebpf,
+            &[(CREATE_PROGRAM, CREATE_EVENT), (IOCTL_PROGRAM, IOCTL_EVENT)],
+        )?;
         let take = |ebpf: &mut Ebpf, name| ebpf.take_map(name).ok_or(GuardError::Missing(name));
         let held =
             BpfHashMap::try_from(take(&mut ebpf, HELD)?).map_err(|e| GuardError::Map(HELD, e))?;

@@ -13,11 +13,10 @@ use std::{collections::HashSet, sync::Mutex};
 
 use aya::{
     maps::{HashMap as BpfHashMap, MapData},
-    programs::TracePoint,
     Ebpf,
 };
 use rksm_common::marks::{
-    CATEGORY, MADVISE_BEHAVIOR_OFFSET, MARKERS, PRCTL_ARG2_OFFSET, PRCTL_OPTION_OFFSET, PROGRAMS,
+    MADVISE_BEHAVIOR_OFFSET, MARKERS, PRCTL_ARG2_OFFSET, PRCTL_OPTION_OFFSET, PROGRAMS,
 };
 
 use crate::ebpf::{guard::GuardError, tracefs, tracer::EBPF_OBJECT};
@@ -30,39 +29,6 @@ pub struct MarkWatch {
     _ebpf: Mutex<Ebpf>,
 }
 
-/// Checks that the tracepoints have their fields where the programs read them.
-fn check_layout(tracefs: &std::path::Path) -> Result<(), GuardError> {
-    let fields = [
-        ("sys_enter_madvise", "behavior", MADVISE_BEHAVIOR_OFFSET),
-        ("sys_enter_prctl", "option", PRCTL_OPTION_OFFSET),
-        ("sys_enter_prctl", "arg2", PRCTL_ARG2_OFFSET),
-    ];
-    for (event, name, offset) in fields {
-        let path = tracefs.join(format!("events/{CATEGORY}/{event}/format"));
-        let text = std::fs::read_to_string(&path).map_err(|e| {
-            GuardError::Layout(format!(
-                "cannot read {}: {e} (a kernel without syscall tracepoints)",
-                path.display()
-            ))
-        })?;
-        match tracefs::parse_format(&text).iter().find(|f| f.name == name) {
-            Some(f) if f.offset == offset => {}
-            Some(f) => {
-                return Err(GuardError::Layout(format!(
-                    "{CATEGORY}:{event} has `{name}` at offset {}, the program reads {offset}",
-                    f.offset
-                )))
-            }
-            None => {
-                return Err(GuardError::Layout(format!(
-                    "{CATEGORY}:{event} has no field `{name}`"
-                )))
-            }
-        }
-    }
-    Ok(())
-}
-
 impl MarkWatch {
     /// Loads and attaches the watch; it records from now on, until dropped.
     pub fn load() -> Result<Self, GuardError> {
@@ -70,19 +36,15 @@ impl MarkWatch {
             return Err(GuardError::NotBuiltIn);
         }
         let tracefs = tracefs::ensure_mounted()?;
-        check_layout(tracefs)?;
-        let mut ebpf = super::loader_for(&[MARKERS]).load(EBPF_OBJECT)?;
-        for (name, event) in PROGRAMS {
-            let program: &mut TracePoint = ebpf
-                .program_mut(name)
-                .ok_or(GuardError::Missing(name))?
-                .try_into()
-                .map_err(|e| GuardError::Attach(e, event))?;
-            program.load().map_err(|e| GuardError::Attach(e, event))?;
-            program
-                .attach(CATEGORY, event)
-                .map_err(|e| GuardError::Attach(e, event))?;
+        for (event, name, offset) in [
+            ("sys_enter_madvise", "behavior", MADVISE_BEHAVIOR_OFFSET),
+            ("sys_enter_prctl", "option", PRCTL_OPTION_OFFSET),
+            ("sys_enter_prctl", "arg2", PRCTL_ARG2_OFFSET),
+        ] {
+            super::check_syscall_field(tracefs, event, name, offset)?;
         }
+        let mut ebpf = super::loader_for(&[MARKERS]).load(EBPF_OBJECT)?;
+        super::attach_syscall_programs(&mut ebpf, &PROGRAMS)?;
         let map = ebpf.take_map(MARKERS).ok_or(GuardError::Missing(MARKERS))?;
         let markers = BpfHashMap::try_from(map).map_err(|e| GuardError::Map(MARKERS, e))?;
         Ok(MarkWatch {

@@ -36,3 +36,52 @@ fn loader_for(own: &[&str]) -> aya::EbpfLoader<'static> {
     }
     loader
 }
+
+/// Tracefs category of the system-call tracepoints the borrow's and the domains' programs use.
+const SYSCALLS: &str = rksm_common::uffd_guard::CATEGORY;
+
+/// Checks that the system-call tracepoint `event` has field `name` at `offset`, where a
+/// program reads it.
+fn check_syscall_field(
+    tracefs: &std::path::Path,
+    event: &str,
+    name: &str,
+    offset: usize,
+) -> Result<(), guard::GuardError> {
+    let layout = guard::GuardError::Layout;
+    let path = tracefs.join(format!("events/{SYSCALLS}/{event}/format"));
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        layout(format!(
+            "cannot read {}: {e} (a kernel without syscall tracepoints)",
+            path.display()
+        ))
+    })?;
+    match tracefs::parse_format(&text).iter().find(|f| f.name == name) {
+        Some(f) if f.offset == offset => Ok(()),
+        Some(f) => Err(layout(format!(
+            "syscalls:{event} has `{name}` at offset {}, the program reads {offset}",
+            f.offset
+        ))),
+        None => Err(layout(format!("syscalls:{event} has no field `{name}`"))),
+    }
+}
+
+/// Loads each of `programs` (name, system-call tracepoint) of `ebpf` and attaches it.
+fn attach_syscall_programs(
+    ebpf: &mut aya::Ebpf,
+    programs: &[(&'static str, &'static str)],
+) -> Result<(), guard::GuardError> {
+    use guard::GuardError;
+    for &(name, event) in programs {
+        let program: &mut aya::programs::TracePoint = ebpf
+            .program_mut(name)
+            .ok_or(GuardError::Missing(name))?
+            .try_into()
+            .map_err(|e| GuardError::Attach(e, event))?;
+        program.load().map_err(|e| GuardError::Attach(e, event))?;
+        program
+            .attach(SYSCALLS, event)
+            .map_err(|e| GuardError::Attach(e, event))?;
+    }
+    Ok(())
+}

@@ -15,10 +15,9 @@ use std::sync::{Mutex, OnceLock};
 
 use aya::{
     maps::{HashMap as BpfHashMap, MapData},
-    programs::TracePoint,
     Ebpf,
 };
-use rksm_common::waits::{CATEGORY, ENTERED, PROGRAMS, WAITERS};
+use rksm_common::waits::{ENTERED, PROGRAMS, WAITERS};
 
 use crate::{
     ebpf::{guard::GuardError, tracefs, tracer::EBPF_OBJECT},
@@ -65,17 +64,7 @@ impl WaitWatch {
         }
         tracefs::ensure_mounted()?;
         let mut ebpf = super::loader_for(&[WAITERS, ENTERED]).load(EBPF_OBJECT)?;
-        for (name, event) in PROGRAMS {
-            let program: &mut TracePoint = ebpf
-                .program_mut(name)
-                .ok_or(GuardError::Missing(name))?
-                .try_into()
-                .map_err(|e| GuardError::Attach(e, event))?;
-            program.load().map_err(|e| GuardError::Attach(e, event))?;
-            program
-                .attach(CATEGORY, event)
-                .map_err(|e| GuardError::Attach(e, event))?;
-        }
+        super::attach_syscall_programs(&mut ebpf, &PROGRAMS)?;
         let take = |ebpf: &mut Ebpf, name| ebpf.take_map(name).ok_or(GuardError::Missing(name));
         let waiters = BpfHashMap::try_from(take(&mut ebpf, WAITERS)?)
             .map_err(|e| GuardError::Map(WAITERS, e))?;
