@@ -276,6 +276,110 @@ fn duplicates_found_at_the_first_read_are_marked_after_a_clean_pass_without_read
     }
 }
 
+/// The look-alike kinds of the test child: pages the sampler's bytes cannot tell apart.
+const ALIKE: [&str; 3] = ["sample", "oddbyte", "lastline"];
+
+#[test]
+fn pages_the_sample_cannot_tell_apart_are_merged_only_where_they_are_equal_in_full() {
+    require_root();
+    let _turn = ksm_turn();
+    let (mut a, mut b) = (TestChild::spawn(), TestChild::spawn());
+    let (ra, rb) = (a.map(192), b.map(192));
+    // Per kind, 32 pages identical in both children, then 32 that differ between them only
+    // where the sample does not look.
+    for (k, kind) in ALIKE.iter().enumerate() {
+        let first = 64 * k as u64;
+        a.write_alike(kind, ra, first, 32, 7);
+        b.write_alike(kind, rb, first, 32, 7);
+        a.write_alike(kind, ra, first + 32, 32, 1000);
+        b.write_alike(kind, rb, first + 32, 32, 2000);
+    }
+    let mut daemon = daemon_over(&[(a.pid(), ra, 192), (b.pid(), rb, 192)], DirtyMode::Ebpf);
+    let equal: Vec<u64> = (0..3).flat_map(|k| 64 * k..64 * k + 32).collect();
+    let mut passes = 0;
+    let merged = passes_until(&mut daemon, || {
+        passes += 1;
+        ksm_pages(a.pid(), ra, 192) == equal && ksm_pages(b.pid(), rb, 192) == equal
+    });
+    // Two more passes: what differs stays apart.
+    daemon.pass();
+    daemon.pass();
+    let stats = daemon.finish();
+    assert!(merged, "the equal pages were not merged: {stats:?}");
+    assert_eq!(
+        ksm_pages(a.pid(), ra, 192),
+        equal,
+        "only equal pages merged"
+    );
+    assert_eq!(
+        ksm_pages(b.pid(), rb, 192),
+        equal,
+        "only equal pages merged"
+    );
+    assert_eq!(
+        stats.pages_sampled, 384,
+        "every new page was sampled: {stats:?}"
+    );
+    assert_eq!(
+        stats.pages_only_sampled, 0,
+        "no look-alike was left unread: {stats:?}"
+    );
+    for (k, kind) in ALIKE.iter().enumerate() {
+        let first = 64 * k as u64;
+        assert!(a.verify_alike(kind, ra, first, 32, 7) && b.verify_alike(kind, rb, first, 32, 7));
+        assert!(a.verify_alike(kind, ra, first + 32, 32, 1000), "{kind}");
+        assert!(b.verify_alike(kind, rb, first + 32, 32, 2000), "{kind}");
+    }
+}
+
+#[test]
+fn a_clean_page_only_sampled_is_read_whole_when_a_newcomer_meets_it_and_merged() {
+    require_root();
+    let _turn = ksm_turn();
+    let (mut old, mut new) = (TestChild::spawn(), TestChild::spawn());
+    let ro = old.map(64);
+    old.write_unique(ro, 0, 64, 800);
+    // The newcomer's memory comes later, where the daemon already looks.
+    let base = 0x5a00_0000_0000;
+    let regions = [(old.pid(), ro, 64), (new.pid(), Region { id: 0, base }, 64)];
+    let mut daemon = daemon_over(&regions, DirtyMode::Ebpf);
+    let first = daemon.pass();
+    let stats = daemon.stats().clone();
+    assert_eq!(
+        (
+            stats.pages_sampled,
+            stats.pages_only_sampled,
+            first.pages_hashed
+        ),
+        (64, 64, 0),
+        "the old pages are one of a kind: sampled, not read: {stats:?}"
+    );
+    daemon.pass();
+    assert_eq!(
+        daemon.stats().pages_hashed,
+        0,
+        "clean pages only sampled stay unread"
+    );
+
+    // Half of them come again in a new mapping of the newcomer.
+    let rn = new.map_at(64, base);
+    new.write_unique(rn, 0, 32, 800);
+    let all: Vec<u64> = (0..32).collect();
+    let merged = passes_until(&mut daemon, || {
+        ksm_pages(old.pid(), ro, 64) == all && ksm_pages(new.pid(), rn, 64) == all
+    });
+    let stats = daemon.finish();
+    assert!(
+        merged,
+        "the old sampled pages were not merged with the newcomer's: {stats:?}"
+    );
+    assert!(
+        stats.pages_hashed >= 64 && stats.pages_hashed < 96,
+        "the newcomer's 32 pages and the 32 they met were read whole, not the other 32: {stats:?}"
+    );
+    assert!(old.verify_unique(ro, 0, 64, 800) && new.verify_unique(rn, 0, 32, 800));
+}
+
 /// Whether a thread named `rksm-reader` shows up in this process while `during` runs
 /// (looked for every millisecond, on a thread of its own).
 fn reader_threads_seen<T>(during: impl FnOnce() -> T) -> (T, bool) {

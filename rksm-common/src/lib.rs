@@ -138,6 +138,95 @@ pub mod waits {
     pub const MAX_WAITING_THREADS: u32 = 65536;
 }
 
+/// The sampler: a program run on demand (`BPF_PROG_TEST_RUN`) that reads a few bytes of each
+/// of a batch of physical pages through the kernel's direct map and returns a digest of them,
+/// so that a page nothing else resembles is never copied out of its process.
+pub mod sample {
+    /// Program names: the sampler, and the one that finds the direct map (run once).
+    pub const SAMPLE_PROGRAM: &str = "rksm_sample";
+    /// See [`SAMPLE_PROGRAM`].
+    pub const LOCATE_PROGRAM: &str = "rksm_locate";
+    /// `Array<SampleJob>` of one entry: the batch in, the digests out.
+    pub const JOB: &str = "RKSM_SAMPLE_JOB";
+    /// Pages per run of the sampler.
+    pub const BATCH: usize = 512;
+    /// Where the sampled bytes are in a page: [`SAMPLE_BYTES`] at each, the middle of the page
+    /// and its last bytes. Each is one cache line, and a line not in the cache costs a trip
+    /// to memory whatever is read of it, so two lines is the sample: pages that differ only
+    /// in their last cache line differ in it, pages that share a header do not. Pages that
+    /// differ only elsewhere look alike to the sample and are read whole: it decides what is
+    /// compared, never what is equal.
+    pub const OFFSETS: [u64; 2] = [2048, 4064];
+    /// Bytes read at each offset.
+    pub const SAMPLE_BYTES: usize = 32;
+    /// The sampled words of a page, in order.
+    pub const WORDS: usize = OFFSETS.len() * SAMPLE_BYTES / 8;
+    /// Where the direct map may begin, at the lowest (Linux's `__PAGE_OFFSET_BASE_L5`).
+    pub const DIRECT_MAP_FLOOR: u64 = 0xff11_0000_0000_0000;
+    /// The direct map begins on a 1 GiB boundary (with or without KASLR).
+    pub const DIRECT_MAP_ALIGN: u64 = 1 << 30;
+    /// Candidates for the direct map's start that the locator tries, at most.
+    pub const LOCATE_TRIES: u32 = 1 << 16;
+    /// A digest the sampler gives a page it could not read.
+    pub const UNREAD: u32 = 0;
+
+    /// One run of the sampler.
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    pub struct SampleJob {
+        /// Kernel virtual address of physical address 0 in the direct map. The locator
+        /// writes it; before, it holds the full mix of the marker page's sampled words.
+        pub base: u64,
+        /// The locator's scratch: where this job is in kernel memory.
+        pub hint: u64,
+        /// Pages in this batch.
+        pub count: u32,
+        /// Reserved, zero.
+        pub _pad: u32,
+        /// Page frame numbers.
+        pub pfns: [u64; BATCH],
+        /// Their digests ([`UNREAD`] where a page could not be read).
+        pub digests: [u32; BATCH],
+    }
+
+    /// Mixes the sampled words of a page (both sides compute it the same way).
+    #[inline(always)]
+    pub fn mix(words: &[u64; WORDS]) -> u64 {
+        let mut h: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut i = 0;
+        while i < WORDS {
+            h = (h ^ words[i]).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            h ^= h >> 29;
+            i += 1;
+        }
+        h
+    }
+
+    /// The digest of a page whose words mix to `mixed`: never [`UNREAD`].
+    #[inline(always)]
+    pub fn digest(mixed: u64) -> u32 {
+        match (mixed >> 32) as u32 {
+            UNREAD => 1,
+            d => d,
+        }
+    }
+
+    /// The sampled words of `page` (4096 bytes).
+    pub fn words_of(page: &[u8]) -> [u64; WORDS] {
+        let mut words = [0u64; WORDS];
+        let mut i = 0;
+        while i < WORDS {
+            let per = SAMPLE_BYTES / 8;
+            let at = OFFSETS[i / per] as usize + (i % per) * 8;
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&page[at..at + 8]);
+            words[i] = u64::from_ne_bytes(b);
+            i += 1;
+        }
+        words
+    }
+}
+
 /// Default capacity of the tracked-process map.
 pub const MAX_TRACKED: u32 = 16384;
 /// Default size of the record ring in bytes (a power of two, a multiple of the page size).
@@ -194,4 +283,6 @@ mod user {
     unsafe impl aya::Pod for super::TrackedProcess {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::TracerCounters {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for super::sample::SampleJob {}
 }

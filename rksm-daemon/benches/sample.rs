@@ -5,8 +5,10 @@
 //! so none is shared with this process). Batches of 1,024 of its pages are read with
 //! `process_vm_readv` as the scanner reads them: whole (one 4 MiB remote range), whole and
 //! checksummed with xxh64, a 64-byte sample of each page (one remote iovec per page), and
-//! four 16-byte samples of each page (four iovecs per page, 1,024 per call). Criterion
-//! reports each batch; divide by 1,024 for a page.
+//! four 16-byte samples of each page (four iovecs per page, 1,024 per call), and the way
+//! rksm samples: the batch's frame numbers read from pagemap and its digests taken by the
+//! eBPF sampler through the kernel's direct map (needs root and the eBPF object; skipped
+//! without). Criterion reports each batch; divide by 1,024 for a page.
 //!
 //! Run: `cargo bench -p rksm --bench sample` (also part of `cargo xtask bench`).
 
@@ -140,6 +142,28 @@ fn reads(c: &mut Criterion) {
                 assert_eq!(read, BATCH * 64);
             })
         });
+    }
+    match rksm::ebpf::sampler::Sampler::load() {
+        Ok(mut sampler) => {
+            let pagemap = rksm::kernel::procfs::Pagemap::open(child.pid.as_raw() as u32).unwrap();
+            let mut entries = vec![rksm::kernel::procfs::PagemapEntry(0); BATCH];
+            let mut pfns = vec![0u64; BATCH];
+            let mut digests = vec![0u32; BATCH];
+            group.bench_function("sampler_ebpf", |b| {
+                b.iter(|| {
+                    let got = pagemap
+                        .read(child.page(next(), 0) as u64, &mut entries)
+                        .unwrap();
+                    assert_eq!(got, BATCH);
+                    for (pfn, entry) in pfns.iter_mut().zip(&entries) {
+                        *pfn = entry.pfn().expect("present");
+                    }
+                    sampler.sample(&pfns, &mut digests).unwrap();
+                    assert!(digests.iter().all(|&d| d != 0));
+                })
+            });
+        }
+        Err(e) => eprintln!("sampler_ebpf skipped: {e}"),
     }
     group.finish();
 }

@@ -18,6 +18,7 @@ use core::intrinsics::{atomic_xadd, AtomicOrdering};
 
 mod guard;
 mod marks;
+mod sampler;
 mod waits;
 
 use aya_ebpf::{

@@ -208,6 +208,31 @@ impl TestChild {
         assert_eq!(reply, "ok");
     }
 
+    /// Writes look-alike pages `first..first+count` of `region`: the sampler's bytes equal,
+    /// the rest per `kind` (`sample`, `oddbyte`, `lastline`; see the test child).
+    pub fn write_alike(&mut self, kind: &str, region: Region, first: u64, count: u64, seed: u64) {
+        let reply = self.command(&format!(
+            "alike {kind} {} {first} {count} {seed}",
+            region.id
+        ));
+        assert_eq!(reply, "ok");
+    }
+
+    /// Whether pages `first..first+count` of `region` still hold what `write_alike` wrote.
+    pub fn verify_alike(
+        &mut self,
+        kind: &str,
+        region: Region,
+        first: u64,
+        count: u64,
+        seed: u64,
+    ) -> bool {
+        self.command(&format!(
+            "verifyalike {kind} {} {first} {count} {seed}",
+            region.id
+        )) == "ok"
+    }
+
     /// Fills pages with a constant byte (0 gives zero-filled private pages).
     pub fn fill(&mut self, region: Region, first: u64, count: u64, byte: u8) {
         let reply = self.command(&format!("fill {} {first} {count} {byte}", region.id));

@@ -91,6 +91,24 @@ fn word(seed: u64, i: usize) -> u64 {
         ^ i as u64
 }
 
+/// Word `i` of page `p` of a look-alike run (`alike`): pages that the sampler's bytes (the
+/// middle of the page, its last 32 bytes) cannot tell apart, different elsewhere:
+/// `sample`: everything else unique; `oddbyte`: zeros but one value at an odd offset;
+/// `lastline`: one content but for the first half of the last cache line. Pages of the same
+/// `seed` and index are identical; pages of different seeds differ.
+fn alike_word(kind: &str, seed: u64, p: usize, i: usize) -> u64 {
+    let sampled = (256..260).contains(&i) || (508..512).contains(&i);
+    match kind {
+        "sample" if sampled => 0x5a5a_5a5a_5a5a_5a5a,
+        "sample" => word(seed + p as u64, i),
+        // From byte 1001 on (word 125 from its second byte): one value per seed and page.
+        "oddbyte" if i == 125 => (seed + p as u64) << 8,
+        "oddbyte" => 0,
+        "lastline" if (504..508).contains(&i) => word(seed + p as u64, i),
+        _ => word(0, i),
+    }
+}
+
 #[derive(Clone, Copy)]
 struct Region {
     base: *mut u64,
@@ -362,6 +380,29 @@ fn run(line: &str, regions: &mut Vec<Region>) -> Result<String, String> {
                         page.add(w)
                             .write_volatile(word(seed + (p - first) as u64, w))
                     };
+                }
+            }
+            Ok("ok".into())
+        }
+        Some("alike") | Some("verifyalike") => {
+            let verify = words.first() == Some(&"verifyalike");
+            let kind = words.get(1).copied().unwrap_or("");
+            let r = region(num(2)?)?;
+            let (first, count, seed) = (num(3)? as usize, num(4)? as usize, num(5)?);
+            for p in first..first + count {
+                let page = r.page(p)?;
+                for w in 0..WORDS {
+                    let want = alike_word(kind, seed, p - first, w);
+                    // SAFETY: w < WORDS keeps the access inside page `p` of the mapping.
+                    unsafe {
+                        match verify {
+                            false => page.add(w).write_volatile(want),
+                            true if page.add(w).read_volatile() != want => {
+                                return Ok(format!("mismatch {p}"))
+                            }
+                            true => {}
+                        }
+                    }
                 }
             }
             Ok("ok".into())

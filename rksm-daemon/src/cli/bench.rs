@@ -27,7 +27,8 @@ use super::BadInput;
     after_help = "Example:\n  rksm bench --quick\n  rksm bench --profile mixed --repeat 3 --out bench-report --json\n  cargo xtask guest-image && rksm bench --profile guests --guest-initrd target/guest/initrd.cpio --interval 5 --seconds 120"
 )]
 pub struct BenchArgs {
-    /// Workload: quick, static, mixed, static-4g, large, guests (qemu guests that mark their
+    /// Workload: quick, static, mixed, static-4g, quarter-4g (25% duplicates), quarter-16g,
+    /// alike-4g (static-4g, every page alike where rksm samples), large, guests (qemu guests that mark their
     /// own RAM mergeable; needs --guest-initrd), or a JSON file with the fields of a profile.
     #[arg(long, value_name = "NAME|FILE")]
     profile: Option<String>,
@@ -55,7 +56,7 @@ pub struct BenchArgs {
     #[arg(long, value_name = "DIR")]
     out: Option<PathBuf>,
     /// Only these configurations, comma-separated (ksmd, ksmd-tuned, ksmd-advisor, hash-only,
-    /// pagemap, ebpf) [default: all].
+    /// pagemap, ebpf, ebpf-read: ebpf reading every new page whole) [default: all].
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     only: Vec<String>,
     /// Print `{"runs":[...]}` instead of the table.
@@ -189,7 +190,8 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
 #[derive(Debug, Args)]
 #[command(after_help = "Example:\n  echo verify | rksm workload --profile quick --index 0")]
 pub struct WorkloadArgs {
-    /// quick, static, mixed, static-4g, large, or a JSON profile file.
+    /// quick, static, mixed, static-4g, quarter-4g, quarter-16g, alike-4g, large, or a JSON
+    /// profile file.
     #[arg(long, value_name = "NAME|FILE", default_value = "quick")]
     profile: String,
     /// Which process of the profile this is (unique contents depend on it).

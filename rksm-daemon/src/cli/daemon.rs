@@ -13,7 +13,7 @@ use anyhow::Context;
 use clap::Args;
 use rksm::{
     daemon::{
-        mib, Daemon, DaemonConfig, DaemonError, DaemonStats, DirtyMode, DomainPolicy,
+        mib, Daemon, DaemonConfig, DaemonError, DaemonStats, DirtyMode, DomainPolicy, NewPages,
         OutsiderPolicy, SeveralDomains,
     },
     engine::{
@@ -46,6 +46,10 @@ pub struct DaemonOptions {
     /// [default: auto].
     #[arg(long, value_name = "SOURCE")]
     write_protect: Option<WriteProtectChoice>,
+    /// ebpf mode: sample new pages in the kernel and read whole only those whose sample meets
+    /// another page's, or read every new page whole [default: sample].
+    #[arg(long, value_name = "sample|read")]
+    new_pages: Option<NewPages>,
     /// Checksum for the gate [default: xxh64].
     #[arg(long, value_name = "xxh64|crc32c")]
     checksum: Option<ChecksumKind>,
@@ -101,6 +105,7 @@ pub struct DaemonOptions {
 struct Settings {
     dirty: DirtyMode,
     write_protect: WriteProtectChoice,
+    new_pages: NewPages,
     checksum: ChecksumKind,
     domain: DomainPolicy,
     several_domains: SeveralDomains,
@@ -124,6 +129,7 @@ impl DaemonOptions {
                 .write_protect
                 .or(file.write_protect)
                 .unwrap_or_default(),
+            new_pages: self.new_pages.or(file.new_pages).unwrap_or_default(),
             checksum: self
                 .checksum
                 .or(file.checksum)
@@ -248,6 +254,7 @@ fn serve(spec: TargetSpec, options: &Settings, child: Option<u32>) -> anyhow::Re
         targets: spec,
         dirty: options.dirty,
         write_protect: options.write_protect,
+        new_pages: options.new_pages,
         checksum: options.checksum,
         domain: options.domain,
         several_domains: options.several_domains,

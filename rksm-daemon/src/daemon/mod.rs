@@ -31,6 +31,7 @@ use serde::{Deserialize, Serialize};
 
 use self::domains::Domains;
 pub use self::domains::{DomainPolicy, OutsiderPolicy, SeveralDomains};
+use crate::ebpf::sampler::Sampler;
 use crate::{
     ebpf::{
         guard,
@@ -84,6 +85,20 @@ pub enum DirtyMode {
 
 crate::value_enum_text!(DirtyMode => "dirty mode");
 
+/// How the ebpf mode takes up memory it has not seen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum NewPages {
+    /// Sample each new page in the kernel (a few bytes, through the direct map) and read
+    /// whole only those whose sample meets another page's; read them all where the sampler
+    /// cannot load.
+    #[default]
+    Sample,
+    /// Read every new page whole.
+    Read,
+}
+
+crate::value_enum_text!(NewPages => "new-page policy");
+
 /// Everything the daemon is told.
 #[derive(Debug, Clone)]
 pub struct DaemonConfig {
@@ -93,6 +108,8 @@ pub struct DaemonConfig {
     pub dirty: DirtyMode,
     /// Which write-protect sources the dirty modes may use.
     pub write_protect: WriteProtectChoice,
+    /// ebpf mode: how new memory is taken up.
+    pub new_pages: NewPages,
     /// Checksum for the gate.
     pub checksum: ChecksumKind,
     /// Which targets may share merged pages.
@@ -127,6 +144,7 @@ impl Default for DaemonConfig {
             targets: TargetSpec::default(),
             dirty: DirtyMode::Auto,
             write_protect: WriteProtectChoice::Auto,
+            new_pages: NewPages::Sample,
             checksum: ChecksumKind::Xxh64,
             domain: DomainPolicy::Uid,
             several_domains: SeveralDomains::Refuse,
@@ -194,6 +212,10 @@ pub struct DaemonStats {
     pub pages_hashed: u64,
     /// Pages the dirty source proved clean and were not read, all passes.
     pub pages_skipped_clean: u64,
+    /// New pages sampled in the kernel instead of read, all passes.
+    pub pages_sampled: u64,
+    /// Of those, pages whose digest met no other page's: never read (until written).
+    pub pages_only_sampled: u64,
     /// Time spent in checksums, all passes.
     pub checksum_ns: u64,
     /// Write faults the tracer saw in the targets.
@@ -270,7 +292,7 @@ pub struct DaemonStats {
     /// page, whose speed is compared with the memory's.
     #[serde(default)]
     pub first_pass_seconds: f64,
-    /// Pages the first pass read.
+    /// Pages the first pass took up: read whole, or sampled and left unread.
     #[serde(default)]
     pub first_pass_pages: u64,
     /// The `run` value someone else wrote to ksmd while rksm owned it; rksm then stops
@@ -541,7 +563,7 @@ impl Daemon {
                 },
             );
         }
-        let scanner = Scanner::new(
+        let mut scanner = Scanner::new(
             ScanConfig {
                 checksum: config.checksum,
                 only_ranges: config.only_ranges.clone(),
@@ -550,6 +572,12 @@ impl Daemon {
             },
             dirty,
         )?;
+        if mode == DirtyMode::Ebpf && config.new_pages == NewPages::Sample {
+            match Sampler::load() {
+                Ok(sampler) => scanner.sample_with(sampler),
+                Err(e) => log::info!("new pages are read whole: no sampler ({e})"),
+            }
+        }
         let zero_checksum = config.checksum.checksum(&[0; PAGE_SIZE as usize]);
         let marks = match config.domain {
             DomainPolicy::None => None,
@@ -694,7 +722,8 @@ impl Daemon {
         };
         if summary.number == 1 {
             self.stats.first_pass_seconds = summary.seconds;
-            self.stats.first_pass_pages = summary.pages_hashed;
+            // Pages taken up: read whole, or only sampled.
+            self.stats.first_pass_pages = summary.pages_hashed + report.total.pages_only_sampled;
         }
         self.last_pass = Some(summary.clone());
         summary
@@ -1410,6 +1439,8 @@ impl Daemon {
         s.pages_volatile = report.total.volatile_pages;
         s.pages_hashed += report.total.pages_hashed;
         s.pages_skipped_clean += report.total.pages_skipped_clean;
+        s.pages_sampled += report.total.pages_sampled;
+        s.pages_only_sampled += report.total.pages_only_sampled;
         s.checksum_ns += report.total.checksum_ns;
         s.remote_syscalls = self.marking_syscalls + self.scanner.dirty_remote_syscalls();
         let borrowing = remote::BorrowCounters::now().since(self.borrows_at_start);

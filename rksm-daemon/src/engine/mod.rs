@@ -13,6 +13,7 @@ pub mod index;
 pub mod keys;
 pub mod merge;
 pub mod pages;
+pub mod samples;
 pub mod scan;
 pub mod target;
 pub mod targets;

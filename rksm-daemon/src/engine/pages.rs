@@ -7,6 +7,12 @@
 //! and a sparse mapping (a 1 TiB `MAP_NORESERVE` arena, a sanitizer's shadow) costs at most
 //! one 528-byte chunk per present page, never anything per virtual page. `scanned` says which
 //! ranges were read in full at some pass, so that their absent pages are known absent.
+//!
+//! Where new pages are sampled (see `ebpf::sampler`), a chunk also keeps each page's digest:
+//! of a page only sampled (not read, not in the index, its digest alone in the domain's
+//! [`SampleIndex`](super::samples::SampleIndex)), and of a page read whole whose digest the
+//! sample index counts. Every change to those is queued here as a [`DigestChange`] for the
+//! scanner to apply to the sample index, so that no path that forgets a page forgets it there.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -37,6 +43,40 @@ struct Chunk {
     known: u64,
     /// Pages in the index.
     placed: u64,
+    /// Digests of the `tracked` and `sampled` pages.
+    digests: [u32; CHUNK_PAGES as usize],
+    /// Known pages whose digest the sample index counts.
+    tracked: u64,
+    /// Pages only sampled: not known, their digest in the sample index.
+    sampled: u64,
+}
+
+impl Chunk {
+    fn new() -> Box<Self> {
+        Box::new(Chunk {
+            checksums: [0; CHUNK_PAGES as usize],
+            known: 0,
+            placed: 0,
+            digests: [0; CHUNK_PAGES as usize],
+            tracked: 0,
+            sampled: 0,
+        })
+    }
+
+    fn is_empty(&self) -> bool {
+        self.known == 0 && self.sampled == 0
+    }
+}
+
+/// A change the sample index must follow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DigestChange {
+    /// A page read whole, with this digest, is counted.
+    Counted(u32),
+    /// A counted page left.
+    Uncounted(u32),
+    /// The page only sampled at this address, with this digest, left.
+    Unsampled(u64, u32),
 }
 
 impl Chunk {
@@ -58,6 +98,10 @@ pub struct PageState {
     /// Ranges read in full at some pass (clipped to the VMAs of the last pass).
     pub(crate) scanned: RangeSet,
     len: u64,
+    /// Pages only sampled.
+    sampled: u64,
+    /// What the sample index has not been told yet.
+    changes: Vec<DigestChange>,
 }
 
 /// Keeps chunk `key` listed among the chunks with a pending page when it has come to hold
@@ -71,6 +115,27 @@ fn list_pending(pending_chunks: &mut BTreeSet<u64>, key: u64, had: bool, has: bo
             pending_chunks.remove(&key);
         }
         _ => {}
+    }
+}
+
+/// Queues what the sample index knows of page `slot` of `chunk` (at `addr`) to be forgotten,
+/// and forgets it here.
+fn release(
+    chunk: &mut Chunk,
+    slot: usize,
+    addr: u64,
+    changes: &mut Vec<DigestChange>,
+    sampled: &mut u64,
+) {
+    let bit = 1u64 << slot;
+    if chunk.tracked & bit != 0 {
+        chunk.tracked &= !bit;
+        changes.push(DigestChange::Uncounted(chunk.digests[slot]));
+    }
+    if chunk.sampled & bit != 0 {
+        chunk.sampled &= !bit;
+        *sampled -= 1;
+        changes.push(DigestChange::Unsampled(addr, chunk.digests[slot]));
     }
 }
 
@@ -104,18 +169,18 @@ impl PageState {
 
     /// Records the page at `addr`.
     pub fn set(&mut self, addr: u64, info: PageInfo) {
+        self.set_with_digest(addr, info, None);
+    }
+
+    /// Records the page at `addr`, read whole, and counts its digest if it has one.
+    pub fn set_with_digest(&mut self, addr: u64, info: PageInfo, digest: Option<u32>) {
         let (key, slot) = split(addr);
-        let chunk = self.chunks.entry(key).or_insert_with(|| {
-            Box::new(Chunk {
-                checksums: [0; CHUNK_PAGES as usize],
-                known: 0,
-                placed: 0,
-            })
-        });
+        let chunk = self.chunks.entry(key).or_insert_with(Chunk::new);
         let bit = 1u64 << slot;
         if chunk.known & bit == 0 {
             self.len += 1;
         }
+        release(chunk, slot, addr, &mut self.changes, &mut self.sampled);
         let had_pending = chunk.pending() != 0;
         chunk.known |= bit;
         chunk.checksums[slot] = info.checksum;
@@ -124,12 +189,124 @@ impl PageState {
         } else {
             chunk.placed &= !bit;
         }
+        if let Some(digest) = digest {
+            chunk.tracked |= bit;
+            chunk.digests[slot] = digest;
+            self.changes.push(DigestChange::Counted(digest));
+        }
         list_pending(
             &mut self.pending_chunks,
             key,
             had_pending,
             chunk.pending() != 0,
         );
+    }
+
+    /// Records the page at `addr`, not known, as only sampled, with `digest`; the caller put
+    /// it in the sample index.
+    pub fn set_sampled(&mut self, addr: u64, digest: u32) {
+        let (key, slot) = split(addr);
+        let chunk = self.chunks.entry(key).or_insert_with(Chunk::new);
+        let bit = 1u64 << slot;
+        debug_assert!(chunk.known & bit == 0, "a known page is not sampled");
+        if chunk.sampled & bit == 0 {
+            self.sampled += 1;
+        }
+        chunk.sampled |= bit;
+        chunk.digests[slot] = digest;
+    }
+
+    /// Records pages `addrs` (ascending, none known) as only sampled, with `digests`: as
+    /// [`PageState::set_sampled`], one chunk lookup per chunk.
+    pub fn set_sampled_many(&mut self, addrs: &[u64], digests: &[u32]) {
+        let mut i = 0;
+        while i < addrs.len() {
+            let (key, _) = split(addrs[i]);
+            let chunk = self.chunks.entry(key).or_insert_with(Chunk::new);
+            while i < addrs.len() && split(addrs[i]).0 == key {
+                let slot = split(addrs[i]).1;
+                let bit = 1u64 << slot;
+                debug_assert!(chunk.known & bit == 0, "a known page is not sampled");
+                if chunk.sampled & bit == 0 {
+                    self.sampled += 1;
+                }
+                chunk.sampled |= bit;
+                chunk.digests[slot] = digests[i];
+                i += 1;
+            }
+        }
+    }
+
+    /// The digest of the page at `addr` if it is only sampled.
+    pub fn sampled_digest(&self, addr: u64) -> Option<u32> {
+        let (key, slot) = split(addr);
+        let chunk = self.chunks.get(&key)?;
+        (chunk.sampled >> slot & 1 == 1).then(|| chunk.digests[slot])
+    }
+
+    /// The digest the sample index counts for the known page at `addr`, if any.
+    pub fn counted_digest(&self, addr: u64) -> Option<u32> {
+        let (key, slot) = split(addr);
+        let chunk = self.chunks.get(&key)?;
+        (chunk.tracked >> slot & 1 == 1).then(|| chunk.digests[slot])
+    }
+
+    /// Stops keeping the page at `addr` as sampled, without a change for the sample index
+    /// (the caller took it out); returns its digest.
+    pub fn take_sampled(&mut self, addr: u64) -> Option<u32> {
+        let (key, slot) = split(addr);
+        let chunk = self.chunks.get_mut(&key)?;
+        let bit = 1u64 << slot;
+        if chunk.sampled & bit == 0 {
+            return None;
+        }
+        chunk.sampled &= !bit;
+        self.sampled -= 1;
+        let digest = chunk.digests[slot];
+        if chunk.is_empty() {
+            self.chunks.remove(&key);
+        }
+        Some(digest)
+    }
+
+    /// Forgets the pages only sampled in `start..end` (queued for the sample index).
+    pub fn forget_sampled_in(&mut self, start: u64, end: u64) {
+        if start >= end {
+            return;
+        }
+        let keys: Vec<u64> = self
+            .chunks
+            .range(start / CHUNK_SPAN..=(end - 1) / CHUNK_SPAN)
+            .filter(|(_, c)| c.sampled != 0)
+            .map(|(&k, _)| k)
+            .collect();
+        for key in keys {
+            let Some(chunk) = self.chunks.get_mut(&key) else {
+                continue;
+            };
+            let mut sampled = chunk.sampled;
+            while sampled != 0 {
+                let slot = sampled.trailing_zeros() as usize;
+                sampled &= sampled - 1;
+                let addr = key * CHUNK_SPAN + slot as u64 * PAGE_SIZE;
+                if (start..end).contains(&addr) {
+                    release(chunk, slot, addr, &mut self.changes, &mut self.sampled);
+                }
+            }
+            if chunk.is_empty() {
+                self.chunks.remove(&key);
+            }
+        }
+    }
+
+    /// Pages only sampled.
+    pub fn sampled_len(&self) -> u64 {
+        self.sampled
+    }
+
+    /// What the sample index must follow since the last take.
+    pub fn take_changes(&mut self) -> Vec<DigestChange> {
+        std::mem::take(&mut self.changes)
     }
 
     /// Forgets the page at `addr`; returns what was known.
@@ -145,6 +322,7 @@ impl PageState {
             placed: chunk.placed & bit != 0,
         };
         let had_pending = chunk.pending() != 0;
+        release(chunk, slot, addr, &mut self.changes, &mut self.sampled);
         chunk.known &= !bit;
         chunk.placed &= !bit;
         list_pending(
@@ -153,7 +331,7 @@ impl PageState {
             had_pending,
             chunk.pending() != 0,
         );
-        if chunk.known == 0 {
+        if chunk.is_empty() {
             self.chunks.remove(&key);
         }
         self.len -= 1;
@@ -234,13 +412,25 @@ impl PageState {
         for &(addr, _) in &gone {
             self.remove(addr);
         }
+        let mut from = 0;
+        for range in inside.as_slice().iter().copied() {
+            self.forget_sampled_in(from, range.start);
+            from = range.end;
+        }
+        self.forget_sampled_in(from, u64::MAX);
         gone
     }
 
     /// Forgets everything (a scan that failed half-way); returns what was known.
     pub fn clear(&mut self) -> Vec<(u64, PageInfo)> {
         let all = self.pages_in(0, u64::MAX);
+        for &(addr, _) in &all {
+            self.remove(addr);
+        }
+        self.forget_sampled_in(0, u64::MAX);
+        let changes = self.take_changes();
         *self = PageState::default();
+        self.changes = changes;
         all
     }
 

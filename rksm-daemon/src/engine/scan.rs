@@ -28,11 +28,13 @@ use rksm_common::PAGE_SIZE;
 use serde::Serialize;
 
 use crate::{
+    ebpf::sampler::Sampler,
     engine::{
         checksum::{ChecksumKind, NO_CHECKSUM},
         dirty::{DirtySet, DirtySource},
         index::{Content, ContentSource, Index, PageRef, Placement, TopContent},
-        pages::PageInfo,
+        pages::{PageInfo, PageState},
+        samples::{Meets, SampleIndex},
         target::Target,
     },
     kernel::{
@@ -87,6 +89,12 @@ pub struct PageCounts {
     /// Pagemap entries read: the pass's per-page system call cost.
     #[serde(skip)]
     pub pagemap_pages: u64,
+    /// New pages sampled (see `ebpf::sampler`) instead of read.
+    #[serde(skip)]
+    pub pages_sampled: u64,
+    /// Of those, pages left only sampled: their digest met no other page's.
+    #[serde(skip)]
+    pub pages_only_sampled: u64,
     /// /proc/kpageflags reads (one `pread` each).
     #[serde(skip)]
     pub kpageflags_reads: u64,
@@ -129,6 +137,8 @@ impl PageCounts {
         self.pages_skipped_clean += other.pages_skipped_clean;
         self.pages_vanished += other.pages_vanished;
         self.pagemap_pages += other.pagemap_pages;
+        self.pages_sampled += other.pages_sampled;
+        self.pages_only_sampled += other.pages_only_sampled;
         self.kpageflags_reads += other.kpageflags_reads;
         self.written_bits_read += other.written_bits_read;
         self.checksum_ns += other.checksum_ns;
@@ -327,6 +337,8 @@ struct Candidate {
     source: Source,
     pfn: u64,
     previous: u64,
+    /// The digest the sample index counted for it.
+    digest: Option<u32>,
 }
 
 /// What one target's pass looks at: everything the dirty source cannot vouch for, and of
@@ -350,6 +362,14 @@ struct Work {
     released: u64,
     /// Pages whose written bit the dirty source looked at.
     written_bits_read: u64,
+    /// Ranges whose new pages were sampled instead of read: known in full at the end.
+    sampled: Vec<Range>,
+    /// Pages sampled, and of them those left only sampled.
+    pages_sampled: u64,
+    pages_only_sampled: u64,
+    /// Digests of pages only sampled that are read whole this pass because they were
+    /// written: for the audit's check of pages it found written unrecorded.
+    sampled_before: HashMap<u64, u32>,
 }
 
 impl Work {
@@ -598,6 +618,12 @@ pub struct Scanner {
     merge_candidates: HashMap<u32, Vec<(u64, u64)>>,
     ksm_pages: HashMap<u32, Vec<u64>>,
     ksm_checksums: HashMap<u32, Vec<u64>>,
+    /// Samples new pages in write-protected memory, if it could be loaded.
+    sampler: Option<Sampler>,
+    /// One sample index per merge domain, as the indexes.
+    samples: HashMap<u32, SampleIndex>,
+    /// The digest of a page of zeros.
+    zero_digest: u32,
     /// Asked between chunks: true ends the pass where it is (the daemon is stopping).
     stop: Option<Box<dyn Fn() -> bool>>,
 }
@@ -629,13 +655,28 @@ impl Scanner {
             merge_candidates: HashMap::new(),
             ksm_pages: HashMap::new(),
             ksm_checksums: HashMap::new(),
+            sampler: None,
+            samples: HashMap::new(),
+            zero_digest: digest_of(&[0u8; PAGE]),
             stop: None,
         })
+    }
+
+    /// From now on, new pages in write-protected memory are sampled by `sampler`, and read
+    /// whole only when their digest meets another page's.
+    pub fn sample_with(&mut self, sampler: Sampler) {
+        self.sampler = Some(sampler);
+    }
+
+    /// Whether new pages are sampled.
+    pub fn samples(&self) -> bool {
+        self.sampler.is_some()
     }
 
     /// Drops the index of merge domain `domain` (its last target left).
     pub fn forget_domain(&mut self, domain: u32) {
         self.indexes.remove(&domain);
+        self.samples.remove(&domain);
     }
 
     /// Takes every page of `target` out of its domain's index and forgets its pages (it is
@@ -651,6 +692,7 @@ impl Scanner {
                 }
             }
         }
+        settle(&mut self.samples, target.domain(), pid, &mut target.pages);
         self.recheck.remove(&pid);
     }
 
@@ -706,6 +748,7 @@ impl Scanner {
             match self.vmas_of(pid) {
                 Ok((vmas, total)) => {
                     let work = self.plan(target, &vmas);
+                    settle(&mut self.samples, target.domain(), pid, &mut target.pages);
                     // Arming it found it off limits: it is not read.
                     if let Some(reason) = target.dirty.refused() {
                         report.refused.push((pid, reason));
@@ -722,6 +765,7 @@ impl Scanner {
         for (target, work) in &mut plans {
             work.released = self.release_held(target);
         }
+        self.sample_new(&mut plans);
         let pages_total = plans.iter().map(|(_, w)| w.pages()).sum();
         let mut pages_before = 0;
         let mut plans = plans.into_iter().peekable();
@@ -944,10 +988,16 @@ impl Scanner {
                 leave(addr, info);
                 target.candidates.remove(&addr);
             }
+            target.pages.forget_sampled_in(r.start, r.end);
         }
+        let mut sampled_before = HashMap::new();
         for &addr in &rehash {
             if let Some(info) = target.pages.get(addr) {
                 leave(addr, info);
+            }
+            if let Some(digest) = target.pages.sampled_digest(addr) {
+                sampled_before.insert(addr, digest);
+                target.pages.forget_sampled_in(addr, addr + PAGE_SIZE);
             }
             target.candidates.remove(&addr);
         }
@@ -959,6 +1009,10 @@ impl Scanner {
             hold,
             released: 0,
             written_bits_read: target.dirty.take_bits_read(),
+            sampled: Vec::new(),
+            pages_sampled: 0,
+            pages_only_sampled: 0,
+            sampled_before,
         }
     }
 
@@ -987,7 +1041,7 @@ impl Scanner {
     /// Opens `target` and lists what its scan will look at, chunk by chunk: the present
     /// runs of its full ranges (pages known from before and absent now are forgotten), then
     /// the runs of its sparse pages.
-    fn begin<'t>(&self, target: &'t mut Target, work: Work) -> InProgress<'t> {
+    fn begin<'t>(&mut self, target: &'t mut Target, work: Work) -> InProgress<'t> {
         let pid = target.pid();
         let mut scan = InProgress {
             open: None,
@@ -996,6 +1050,11 @@ impl Scanner {
             counts: PageCounts {
                 duplicate_pages: work.released,
                 written_bits_read: work.written_bits_read,
+                pages_sampled: work.pages_sampled,
+                pages_only_sampled: work.pages_only_sampled,
+                // A page only sampled is, as far as anyone knows, one of a kind.
+                scanned_pages: work.pages_only_sampled,
+                unique_pages: work.pages_only_sampled,
                 ..PageCounts::default()
             },
             misses: 0,
@@ -1045,6 +1104,8 @@ impl Scanner {
                 }
                 gap_start = run.end;
             }
+            let domain = scan.target.domain();
+            settle(&mut self.samples, domain, pid, &mut scan.target.pages);
             // The absent pages of the range count for its progress too, with its first step.
             let mut weight = range.pages() - present.iter().map(Range::pages).sum::<u64>();
             for run in &present {
@@ -1118,11 +1179,13 @@ impl Scanner {
         if let Some(e) = scan.error.take() {
             return Err(e);
         }
-        for range in &scan.work.full {
+        for range in scan.work.full.iter().chain(&scan.work.sampled) {
             scan.target.pages.scanned.insert(*range);
         }
         let mut counts = scan.counts;
-        counts.pages_skipped_clean = scan.target.pages.len().saturating_sub(counts.scanned_pages);
+        let pages = &scan.target.pages;
+        counts.pages_skipped_clean =
+            (pages.len() + pages.sampled_len()).saturating_sub(counts.scanned_pages);
         let pid = scan.target.pid();
         scan.target.dirty.note_misses(pid, scan.misses);
         scan.target
@@ -1159,9 +1222,16 @@ impl Scanner {
         counts.pagemap_pages += got as u64;
         // What was known about these pages is taken out, and put back for those present.
         let old = pages.pages_in(start, start + got as u64 * PAGE_SIZE);
+        let old_digests: Vec<Option<u32>> =
+            old.iter().map(|&(a, _)| pages.counted_digest(a)).collect();
         for &(addr, _) in &old {
             pages.remove(addr);
         }
+        settle(&mut self.samples, open.domain, pid, pages);
+        let digest_of_old = |addr: u64| {
+            old.binary_search_by_key(&addr, |p| p.0)
+                .map_or(None, |i| old_digests[i])
+        };
         let previous_of = |addr: u64| {
             old.binary_search_by_key(&addr, |p| p.0)
                 .map_or(NO_CHECKSUM, |i| old[i].1.checksum)
@@ -1226,6 +1296,7 @@ impl Scanner {
                 source,
                 pfn,
                 previous,
+                digest: digest_of_old(addr),
             });
         }
 
@@ -1327,8 +1398,12 @@ impl Scanner {
                     continue;
                 }
                 Source::Read(slot) => {
-                    if fresh[slot] != candidate.previous && unseen.contains(&candidate.addr) {
-                        *misses += 1;
+                    if unseen.contains(&candidate.addr) {
+                        let changed = match work.sampled_before.get(&candidate.addr) {
+                            Some(&digest) => digest != digest_of(&bytes[slot * PAGE..][..PAGE]),
+                            None => fresh[slot] != candidate.previous,
+                        };
+                        *misses += u64::from(changed);
                     }
                     (
                         fresh[slot],
@@ -1389,13 +1464,31 @@ impl Scanner {
             if candidate.ksm {
                 self.ksm_checksums.entry(pid).or_default().push(checksum);
             }
-            pages.set(
+            let digest = match (self.sampler.is_some(), content) {
+                (false, _) => None,
+                (true, Content::Zero) => Some(self.zero_digest),
+                (true, Content::Loaded(bytes)) => Some(digest_of(bytes)),
+                (true, Content::Unread) => candidate.digest,
+            };
+            pages.set_with_digest(
                 page.addr,
                 PageInfo {
                     checksum,
                     placed: placement != Placement::Volatile,
                 },
+                digest,
             );
+            // A page read whole (written, or new where nothing is sampled) that meets a page
+            // only sampled: that one is read whole at its target's next pass.
+            if let (Some(digest), Content::Loaded(_)) = (digest, content) {
+                if let Some(other) = self
+                    .samples
+                    .get_mut(&open.domain)
+                    .and_then(|s| s.take_sampled(digest, page))
+                {
+                    self.recheck.entry(other.pid).or_default().push(other.addr);
+                }
+            }
             if let Some(known) = self.pfns_seen.get_mut(&candidate.pfn) {
                 *known = checksum;
             }
@@ -1419,7 +1512,166 @@ impl Scanner {
                 );
             }
         }
+        settle(&mut self.samples, open.domain, pid, pages);
         Ok(())
+    }
+
+    /// Samples the new pages of `plans` (present for the first time where writes are tracked
+    /// from now on) instead of reading them: the pages whose digest meets another page's of
+    /// the domain, this pass or kept from before, go to their work's sparse pages to be read
+    /// whole (with the page only sampled they met, from its own target's work); the others
+    /// are recorded as only sampled and are not read. A range that cannot be sampled is read
+    /// in full, as without a sampler.
+    fn sample_new(&mut self, plans: &mut [(&mut Target, Work)]) {
+        let Some(sampler) = self.sampler.as_mut() else {
+            return;
+        };
+        // Pages only sampled before that a new page met: read whole with it.
+        let mut met: Vec<PageRef> = Vec::new();
+        let mut entries = vec![PagemapEntry(0); CHUNK_PAGES];
+        let (mut pfns, mut addrs) = (Vec::new(), Vec::new());
+        let mut digests = vec![0u32; CHUNK_PAGES];
+        let (mut alone, mut alone_digests) = (Vec::new(), Vec::new());
+        for (target, work) in plans.iter_mut() {
+            if work.full.is_empty() || work.hold.is_empty() {
+                continue;
+            }
+            let (pid, domain) = (target.pid(), target.domain());
+            let Ok(pagemap) = Pagemap::open(pid) else {
+                continue;
+            };
+            let index = self.samples.entry(domain).or_default();
+            let mut full = Vec::new();
+            for range in std::mem::take(&mut work.full) {
+                let new = work.hold.covers(range.start, range.end)
+                    && target.pages.pages_in(range.start, range.end).is_empty();
+                let present = match new {
+                    true => pagemap.present_runs(range.start, range.end),
+                    false => Ok(Vec::new()),
+                };
+                let Ok(present) = present.map_err(|e| log::debug!("not sampled: {e}")) else {
+                    full.push(range);
+                    continue;
+                };
+                if !new {
+                    full.push(range);
+                    continue;
+                }
+                index.reserve(present.iter().map(|r| r.pages() as usize).sum());
+                let mut whole = true;
+                'runs: for run in &present {
+                    let mut from = run.start;
+                    while from < run.end {
+                        let n = (((run.end - from) / PAGE_SIZE) as usize).min(CHUNK_PAGES);
+                        let Ok(got) = pagemap.read(from, &mut entries[..n]) else {
+                            whole = false;
+                            break 'runs;
+                        };
+                        if got == 0 {
+                            break;
+                        }
+                        pfns.clear();
+                        addrs.clear();
+                        for (i, entry) in entries[..got].iter().enumerate() {
+                            let addr = from + i as u64 * PAGE_SIZE;
+                            let Some(pfn) = entry.pfn() else { continue };
+                            if entry.file_or_shared() {
+                                continue;
+                            }
+                            // Mapped more than once (KSM, the zero page, a fork): read, as
+                            // before, to be counted once.
+                            if entry.exclusive() && pfn != 0 {
+                                pfns.push(pfn);
+                                addrs.push(addr);
+                            } else {
+                                work.sparse.push(addr);
+                            }
+                        }
+                        let digests = &mut digests[..pfns.len()];
+                        if let Err(e) = sampler.sample(&pfns, digests) {
+                            log::warn!("sampling failed ({e}); reading new pages whole");
+                            whole = false;
+                            break 'runs;
+                        }
+                        alone.clear();
+                        alone_digests.clear();
+                        for (&addr, &digest) in addrs.iter().zip(digests.iter()) {
+                            if digest == rksm_common::sample::UNREAD {
+                                work.sparse.push(addr);
+                                continue;
+                            }
+                            match index.meet(digest, PageRef { pid, addr }) {
+                                Meets::Nothing => {
+                                    alone.push(addr);
+                                    alone_digests.push(digest);
+                                }
+                                Meets::Company => work.sparse.push(addr),
+                                Meets::Sampled(other) => {
+                                    work.sparse.push(addr);
+                                    met.push(other);
+                                }
+                            }
+                        }
+                        target.pages.set_sampled_many(&alone, &alone_digests);
+                        work.pages_only_sampled += alone.len() as u64;
+                        work.pages_sampled += addrs.len() as u64;
+                        from += got as u64 * PAGE_SIZE;
+                    }
+                }
+                match whole {
+                    true => work.sampled.push(range),
+                    // Read in full after all; what was listed is read twice at most.
+                    false => full.push(range),
+                }
+            }
+            work.full = full;
+        }
+        // The pages only sampled that were met are read whole now, if their target is in
+        // this pass; else at its next pass.
+        let plan_of: HashMap<u32, usize> = plans
+            .iter()
+            .enumerate()
+            .map(|(k, (t, _))| (t.pid(), k))
+            .collect();
+        for other in met {
+            match plan_of.get(&other.pid) {
+                Some(&q) => {
+                    let (their, their_work) = &mut plans[q];
+                    if their.pages.take_sampled(other.addr).is_some() {
+                        their_work.sparse.push(other.addr);
+                        // Sampled this pass: it was counted as one of a kind.
+                        if their_work
+                            .sampled
+                            .iter()
+                            .any(|r| (r.start..r.end).contains(&other.addr))
+                        {
+                            their_work.pages_only_sampled -= 1;
+                        }
+                    }
+                }
+                None => self.recheck.entry(other.pid).or_default().push(other.addr),
+            }
+        }
+        for (_, work) in plans.iter_mut() {
+            if work.pages_sampled > 0 || !work.sparse.is_sorted() {
+                work.sparse.sort_unstable();
+                work.sparse.dedup();
+            }
+        }
+    }
+}
+
+/// The digest the sampler gives a page with these bytes.
+fn digest_of(page: &[u8]) -> u32 {
+    use rksm_common::sample;
+    sample::digest(sample::mix(&sample::words_of(page)))
+}
+
+/// Tells domain `domain`'s sample index what changed in `pages` (of `pid`).
+fn settle(samples: &mut HashMap<u32, SampleIndex>, domain: u32, pid: u32, pages: &mut PageState) {
+    let changes = pages.take_changes();
+    if !changes.is_empty() {
+        samples.entry(domain).or_default().follow(pid, &changes);
     }
 }
 

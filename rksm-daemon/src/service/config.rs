@@ -28,7 +28,7 @@ use regex::Regex;
 use serde::{de::Error as _, Deserialize, Deserializer};
 
 use crate::{
-    daemon::{DirtyMode, DomainPolicy, OutsiderPolicy, SeveralDomains},
+    daemon::{DirtyMode, DomainPolicy, NewPages, OutsiderPolicy, SeveralDomains},
     engine::{checksum::ChecksumKind, dirty::protection::WriteProtectChoice},
 };
 
@@ -90,6 +90,9 @@ pub struct ConfigFile {
     /// `--write-protect`.
     #[serde(default, deserialize_with = "parsed")]
     pub write_protect: Option<WriteProtectChoice>,
+    /// `--new-pages`: `sample` or `read`.
+    #[serde(default, deserialize_with = "parsed")]
+    pub new_pages: Option<NewPages>,
     /// `--checksum`.
     #[serde(default, deserialize_with = "parsed")]
     pub checksum: Option<ChecksumKind>,

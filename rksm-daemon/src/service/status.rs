@@ -235,7 +235,7 @@ fn render(status: &Status, per_target: bool) -> String {
         )],
     );
     let last = status.last_pass.as_ref();
-    let daemon_wide: [(&str, &str, &str, f64); 28] = [
+    let daemon_wide: [(&str, &str, &str, f64); 30] = [
         (
             "pages_sharing",
             "gauge",
@@ -259,6 +259,18 @@ fn render(status: &Status, per_target: bool) -> String {
             "counter",
             "Pages read and checksummed, all targets.",
             c.pages_hashed as f64,
+        ),
+        (
+            "pages_sampled",
+            "counter",
+            "New pages sampled in the kernel instead of read, all targets.",
+            c.pages_sampled as f64,
+        ),
+        (
+            "pages_only_sampled",
+            "counter",
+            "Sampled pages whose sample met no other page's: not read.",
+            c.pages_only_sampled as f64,
         ),
         (
             "pages_skipped_clean",

@@ -136,6 +136,12 @@ pub struct RunResult {
     pub ksmd_ns_per_page: Option<f64>,
     /// Pages rksm marked mergeable (rksm modes).
     pub pages_marked: Option<u64>,
+    /// rksm's resident memory per page of the workloads at the end of the run, and at its
+    /// peak, in bytes (rksm modes; VmRSS and VmHWM).
+    #[serde(default)]
+    pub rss_bytes_per_page: Option<f64>,
+    #[serde(default)]
+    pub peak_rss_bytes_per_page: Option<f64>,
     /// The write-protect sources the targets used (rksm modes), as `source: targets`.
     #[serde(default)]
     pub write_protect: Option<String>,
@@ -236,6 +242,21 @@ fn cpu_seconds(pid: u32) -> Option<f64> {
     Some((ticks(14)? + ticks(15)?) as f64 / procfs::clock_ticks_per_second())
 }
 
+/// A process's VmRSS and VmHWM, in KiB.
+fn resident_kib(pid: u32) -> Option<(u64, u64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))?
+            .split_whitespace()
+            .next()?
+            .parse::<u64>()
+            .ok()
+    };
+    Some((field("VmRSS:")?, field("VmHWM:")?))
+}
+
 fn ksmd_pid() -> Option<u32> {
     std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
         let pid: u32 = e.file_name().to_str()?.parse().ok()?;
@@ -323,9 +344,15 @@ pub fn run_once(
             // nor the status socket of a daemon the host runs.
             cmd.args(["--no-config", "--log-level", "warn"]);
             cmd.arg("daemon").arg("--socket").arg(&socket);
+            let (mode, new_pages) = match mode {
+                EBPF_READ => ("ebpf", "read"),
+                mode => (mode, "sample"),
+            };
             cmd.args([
                 "--dirty",
                 mode,
+                "--new-pages",
+                new_pages,
                 "--checksum",
                 checksum,
                 "--interval",
@@ -354,6 +381,7 @@ pub fn run_once(
     let mut first_pass_cpu = None;
     let daemon_pid = daemon.as_ref().map(Child::id);
     let mut last_rksm_cpu = 0.0;
+    let mut rss = None;
     let target = 0.9 * achievable as f64;
     let keep_going = |samples: &[Sample]| {
         let t = started.elapsed().as_secs_f64();
@@ -372,6 +400,9 @@ pub fn run_once(
         std::thread::sleep(Duration::from_millis(500));
         if let Some(cpu) = daemon_pid.and_then(cpu_seconds) {
             last_rksm_cpu = cpu;
+        }
+        if let Some(now) = daemon_pid.and_then(resident_kib) {
+            rss = Some(now);
         }
         // The status once a second: asking costs the daemon CPU, which this measures.
         if daemon_pid.is_some() && samples.len() % 2 == 0 {
@@ -486,6 +517,10 @@ pub fn run_once(
         ksmd_ns_per_page: (mergeable && ksm_scanned > 0)
             .then(|| ksmd_cpu * 1e9 / ksm_scanned as f64),
         pages_marked: stat("pages_marked"),
+        rss_bytes_per_page: rss
+            .map(|(now, _)| now as f64 * 1024.0 / plan.profile.mergeable_pages().max(1) as f64),
+        peak_rss_bytes_per_page: rss
+            .map(|(_, peak)| peak as f64 * 1024.0 / plan.profile.mergeable_pages().max(1) as f64),
         write_protect: rksm_stats.as_ref().and_then(|s| {
             let sources = s["write_protect"].as_object()?;
             let list: Vec<String> = sources.iter().map(|(k, v)| format!("{k}: {v}")).collect();
@@ -587,6 +622,8 @@ pub fn median_of(mut runs: Vec<RunResult>) -> RunResult {
     typical.steady_pass_seconds = some(|r| r.steady_pass_seconds);
     typical.first_pass_cpu = some(|r| r.first_pass_cpu);
     typical.first_pass_gbps = some(|r| r.first_pass_gbps);
+    typical.rss_bytes_per_page = some(|r| r.rss_bytes_per_page);
+    typical.peak_rss_bytes_per_page = some(|r| r.peak_rss_bytes_per_page);
     typical.ksmd_ns_per_page = some(|r| r.ksmd_ns_per_page);
     typical.steady_rksm_cpu_per_pass = some(|r| r.steady_rksm_cpu_per_pass);
     typical.ms_per_clear = some(|r| r.ms_per_clear);
@@ -618,8 +655,13 @@ pub fn matrix() -> Vec<(Config, &'static str)> {
             m.push((Config::Rksm(mode), checksum));
         }
     }
+    // ebpf reading every new page whole, next to ebpf sampling them.
+    m.push((Config::Rksm(EBPF_READ), "xxh64"));
     m
 }
+
+/// The ebpf configuration with `--new-pages read`.
+pub const EBPF_READ: &str = "ebpf-read";
 
 /// This machine's memory speeds, in GB/s, what a first pass is held to.
 #[derive(Debug, Clone, Copy)]
@@ -875,11 +917,11 @@ pub fn markdown(
     md.push('\n');
     let rksm_rows: Vec<&RunResult> = runs.iter().filter(|r| r.write_protect.is_some()).collect();
     if !rksm_rows.is_empty() {
-        md.push_str("| mode | checksum | write protection (targets) | pages hashed / steady pass | written bits read / steady pass | rksm CPU ms / steady pass | soft-dirty clears | ms per clear |\n");
-        md.push_str("|---|---|---|---|---|---|---|---|\n");
+        md.push_str("| mode | checksum | write protection (targets) | pages hashed / steady pass | written bits read / steady pass | rksm CPU ms / steady pass | soft-dirty clears | ms per clear | first pass CPU s | rksm RSS B/page (end, peak) |\n");
+        md.push_str("|---|---|---|---|---|---|---|---|---|---|\n");
         for r in rksm_rows {
             md.push_str(&format!(
-                "| {} | {} | {} | {} | {} | {} | {} | {} |\n",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {}, {} |\n",
                 r.mode,
                 r.checksum,
                 r.write_protect.as_deref().unwrap_or("-"),
@@ -888,6 +930,9 @@ pub fn markdown(
                 opt(r.steady_rksm_cpu_per_pass.map(|s| s * 1e3), 2),
                 r.soft_dirty_clears.map_or("-".into(), |n| n.to_string()),
                 opt(r.ms_per_clear, 3),
+                opt(r.first_pass_cpu, 2),
+                opt(r.rss_bytes_per_page, 1),
+                opt(r.peak_rss_bytes_per_page, 1),
             ));
         }
         md.push('\n');
@@ -1012,6 +1057,8 @@ mod tests {
             first_pass_gbps: Some(hashed as f64 / 1000.0),
             ksmd_ns_per_page: Some(100.0),
             pages_marked: Some(1000),
+            rss_bytes_per_page: None,
+            peak_rss_bytes_per_page: None,
             write_protect: None,
             steady_rksm_cpu_per_pass: None,
             written_bits_read: None,
@@ -1122,7 +1169,7 @@ mod tests {
     #[test]
     fn the_matrix_has_every_mode_with_both_checksums() {
         let m = matrix();
-        assert_eq!(m.len(), 9);
+        assert_eq!(m.len(), 10);
         assert!(m.contains(&(Config::KsmdAdvisor, "xxh64")));
         assert!(m.contains(&(Config::Rksm("ebpf"), "crc32c")));
     }

@@ -46,6 +46,10 @@ pub struct Profile {
     /// it; the other sizes must then be zero.
     #[serde(default)]
     pub guest_ram_mib: u64,
+    /// Every page holds the same bytes where rksm samples a new page (the middle of the page
+    /// and its last 32 bytes): built so that the sample tells no page from another.
+    #[serde(default)]
+    pub alike: bool,
 }
 
 impl Profile {
@@ -62,6 +66,7 @@ impl Profile {
             fork_mib: 16,
             volatile_identical: false,
             guest_ram_mib: 0,
+            alike: false,
         };
         match name {
             // Small enough that every configuration runs in seconds.
@@ -89,6 +94,37 @@ impl Profile {
                 volatile_mib: 10,
                 volatile_pages_per_sec: 50,
                 fork_mib: 0,
+                ..base
+            }),
+            // 4 GiB, a quarter of it duplicates: where most new memory is one of a kind.
+            "quarter-4g" => Some(Profile {
+                duplicate_mib: 256,
+                zero_mib: 0,
+                unique_mib: 758,
+                volatile_mib: 10,
+                volatile_pages_per_sec: 50,
+                fork_mib: 0,
+                ..base
+            }),
+            // quarter-4g four times over: what rksm keeps per page at 16 GiB.
+            "quarter-16g" => Some(Profile {
+                duplicate_mib: 1024,
+                zero_mib: 0,
+                unique_mib: 3032,
+                volatile_mib: 40,
+                volatile_pages_per_sec: 50,
+                fork_mib: 0,
+                ..base
+            }),
+            // static-4g with every page alike where rksm samples: the sample's worst case.
+            "alike-4g" => Some(Profile {
+                duplicate_mib: 512,
+                zero_mib: 0,
+                unique_mib: 502,
+                volatile_mib: 10,
+                volatile_pages_per_sec: 50,
+                fork_mib: 0,
+                alike: true,
                 ..base
             }),
             // Several GiB in all.
@@ -140,7 +176,7 @@ impl Profile {
             return Ok(profile);
         }
         let text = std::fs::read_to_string(name_or_file).map_err(|e| {
-            format!("`{name_or_file}` is neither a profile name (quick, static, mixed, static-4g, large, guests) nor a readable file: {e}")
+            format!("`{name_or_file}` is neither a profile name (quick, static, mixed, static-4g, quarter-4g, quarter-16g, alike-4g, large, guests) nor a readable file: {e}")
         })?;
         let profile: Profile =
             serde_json::from_str(&text).map_err(|e| format!("{name_or_file}: {e}"))?;
@@ -185,6 +221,8 @@ fn word(seed: u64, i: usize) -> u64 {
 struct Memory {
     base: *mut u64,
     pages: usize,
+    /// The profile's `alike`.
+    alike: bool,
 }
 
 // SAFETY: the mapping lives as long as the process; the writer thread and the command loop
@@ -192,11 +230,12 @@ struct Memory {
 unsafe impl Send for Memory {}
 
 impl Memory {
-    fn map(pages: usize) -> io::Result<Memory> {
+    fn map(pages: usize, alike: bool) -> io::Result<Memory> {
         if pages == 0 {
             return Ok(Memory {
                 base: std::ptr::null_mut(),
                 pages,
+                alike,
             });
         }
         // SAFETY: a fresh private anonymous mapping.
@@ -216,13 +255,14 @@ impl Memory {
         Ok(Memory {
             base: ptr.cast(),
             pages,
+            alike,
         })
     }
 
     fn fill(&self, page: usize, seed: Option<u64>) {
         assert!(page < self.pages);
         for w in 0..WORDS {
-            let value = seed.map_or(0, |s| word(s, w));
+            let value = self.value(seed, w);
             // SAFETY: page < pages and w < WORDS: inside the mapping.
             unsafe { self.base.add(page * WORDS + w).write_volatile(value) };
         }
@@ -232,8 +272,22 @@ impl Memory {
         (0..WORDS).all(|w| {
             // SAFETY: as in fill.
             let v = unsafe { self.base.add(page * WORDS + w).read_volatile() };
-            v == seed.map_or(0, |s| word(s, w))
+            v == self.value(seed, w)
         })
+    }
+
+    /// Word `w` of a page of `seed`: in an `alike` profile, the words rksm samples are the
+    /// same in every page that is not zeros.
+    fn value(&self, seed: Option<u64>, w: usize) -> u64 {
+        use rksm_common::sample::{OFFSETS, SAMPLE_BYTES};
+        let sampled = OFFSETS
+            .iter()
+            .any(|&at| (at as usize / 8..(at as usize + SAMPLE_BYTES) / 8).contains(&w));
+        match seed {
+            None => 0,
+            Some(_) if self.alike && sampled => 0x5a5a_5a5a_5a5a_5a5a,
+            Some(s) => word(s, w),
+        }
     }
 }
 
@@ -255,7 +309,7 @@ pub fn serve(profile: &Profile, index: u32, mergeable: bool) -> io::Result<()> {
         Profile::pages(profile.fork_mib),
     );
     let total = dup + zero + unique + volatile + fork;
-    let memory = Memory::map(total)?;
+    let memory = Memory::map(total, profile.alike)?;
     let mut seeds = Vec::with_capacity(total);
     let me = u64::from(index + 1) << 32;
     seeds.extend((0..dup).map(|p| Some(p as u64)));
@@ -435,7 +489,17 @@ mod tests {
 
     #[test]
     fn named_profiles_exist_and_files_are_checked() {
-        for name in ["quick", "static", "mixed", "static-4g", "large", "guests"] {
+        for name in [
+            "quick",
+            "static",
+            "mixed",
+            "static-4g",
+            "quarter-4g",
+            "quarter-16g",
+            "alike-4g",
+            "large",
+            "guests",
+        ] {
             assert!(Profile::named(name).is_some(), "{name}");
         }
         assert!(Profile::load("no-such-profile")
@@ -461,6 +525,29 @@ mod tests {
     }
 
     #[test]
+    fn an_alike_profile_gives_every_page_the_digest_of_every_other() {
+        use rksm_common::sample::{digest, mix, words_of};
+        let memory = Memory::map(3, true).unwrap();
+        for (page, seed) in [(0, 1), (1, 2), (2, 1 << 40)] {
+            memory.fill(page, Some(seed));
+        }
+        // SAFETY: the three pages just mapped and filled.
+        let bytes = unsafe { std::slice::from_raw_parts(memory.base.cast::<u8>(), 3 * PAGE) };
+        let pages: Vec<&[u8]> = bytes.chunks_exact(PAGE).collect();
+        let d = |p: &[u8]| digest(mix(&words_of(p)));
+        assert_eq!(d(pages[0]), d(pages[1]));
+        assert_eq!(d(pages[0]), d(pages[2]));
+        assert_ne!(pages[0], pages[1], "alike, not equal");
+        assert!(memory.holds(1, Some(2)) && !memory.holds(1, Some(1)));
+        let plain = Memory::map(2, false).unwrap();
+        plain.fill(0, Some(1));
+        plain.fill(1, Some(2));
+        // SAFETY: as above.
+        let bytes = unsafe { std::slice::from_raw_parts(plain.base.cast::<u8>(), 2 * PAGE) };
+        assert_ne!(d(&bytes[..PAGE]), d(&bytes[PAGE..]));
+    }
+
+    #[test]
     fn achievable_sharing_counts_copies_minus_kept_pages() {
         let p = Profile {
             processes: 4,
@@ -473,6 +560,7 @@ mod tests {
             fork_mib: 5,
             volatile_identical: false,
             guest_ram_mib: 0,
+            alike: false,
         };
         // 256 duplicate pages x 3 extra copies; 1024 zero pages sharing ceil(1024/256) = 4 KSM pages.
         assert_eq!(p.achievable_sharing(256), 256 * 3 + 1020);
