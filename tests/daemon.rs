@@ -380,6 +380,41 @@ fn a_clean_page_only_sampled_is_read_whole_when_a_newcomer_meets_it_and_merged()
     assert!(old.verify_unique(ro, 0, 64, 800) && new.verify_unique(rn, 0, 32, 800));
 }
 
+#[test]
+fn a_written_page_that_meets_a_page_only_sampled_has_it_read_whole_and_merged() {
+    require_root();
+    let _turn = ksm_turn();
+    let (mut old, mut writer) = (TestChild::spawn(), TestChild::spawn());
+    let (ro, rw) = (old.map(64), writer.map(64));
+    old.write_unique(ro, 0, 64, 800);
+    writer.write_unique(rw, 0, 64, 5000);
+    let mut daemon = daemon_over(
+        &[(old.pid(), ro, 64), (writer.pid(), rw, 64)],
+        DirtyMode::Ebpf,
+    );
+    daemon.pass();
+    assert_eq!(
+        daemon.stats().pages_only_sampled,
+        128,
+        "every page is one of a kind: {:?}",
+        daemon.stats()
+    );
+    // The writer's pages, already known, are rewritten with the old pages' contents: they
+    // are read whole as written pages, not sampled.
+    writer.write_unique(rw, 0, 64, 800);
+    let all: Vec<u64> = (0..64).collect();
+    let merged = passes_until(&mut daemon, || {
+        ksm_pages(old.pid(), ro, 64) == all && ksm_pages(writer.pid(), rw, 64) == all
+    });
+    let stats = daemon.finish();
+    assert!(
+        merged,
+        "the pages only sampled were not merged with the written ones: {stats:?}"
+    );
+    assert_eq!(stats.pages_sampled, 128, "nothing sampled twice: {stats:?}");
+    assert!(old.verify_unique(ro, 0, 64, 800) && writer.verify_unique(rw, 0, 64, 800));
+}
+
 /// Whether a thread named `rksm-reader` shows up in this process while `during` runs
 /// (looked for every millisecond, on a thread of its own).
 fn reader_threads_seen<T>(during: impl FnOnce() -> T) -> (T, bool) {

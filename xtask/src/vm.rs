@@ -173,6 +173,7 @@ const SUITES: &[Suite] = &[
             "duplicates_found_at_the_first_read_are_marked_after_a_clean_pass_without_reading_again",
             "pages_the_sample_cannot_tell_apart_are_merged_only_where_they_are_equal_in_full",
             "a_clean_page_only_sampled_is_read_whole_when_a_newcomer_meets_it_and_merged",
+            "a_written_page_that_meets_a_page_only_sampled_has_it_read_whole_and_merged",
             "copy_on_write_breaks_are_counted_and_their_region_backs_off",
             "memory_the_target_registered_with_its_own_userfaultfd_is_left_to_it",
             "a_target_that_executes_a_new_program_is_armed_and_merged_again",

@@ -65,6 +65,9 @@ use crate::{
 /// How often, at most, running out of file descriptors is warned about while it lasts.
 const SHORT_OF_FILES_WARN_EVERY: Duration = Duration::from_secs(60);
 
+/// A pass that found this many duplicates gives the heap its marking freed back.
+const RELEASE_AFTER_DUPLICATES: u64 = 32 * 1024;
+
 /// How often, at most, the daemon drains the tracer's ring between passes.
 pub const DRAIN_EVERY: Duration = Duration::from_millis(100);
 
@@ -696,6 +699,10 @@ impl Daemon {
         let cow_breaks = self.account_cow_breaks(&report, now);
         self.undo_crossings();
         let (runs_marked, pages_marked) = self.mark(&report, now);
+        // Marking many pages built and dropped their lists: give the heap back.
+        if report.total.duplicate_pages >= RELEASE_AFTER_DUPLICATES {
+            crate::engine::scan::give_back_freed_heap();
+        }
         let sharing_before = self.stats.pages_sharing;
         self.account(&report);
         // Work for ksmd: pages newly marked, duplicates newly found (in marked runs too: a page

@@ -233,6 +233,12 @@ impl RepCache {
             self.order.retain(|&p| p != page);
         }
     }
+
+    /// Drops every content kept, and the memory that held them.
+    fn clear(&mut self) {
+        self.pages = HashMap::default();
+        self.order = VecDeque::new();
+    }
 }
 
 static ZERO_PAGE: [u8; PAGE] = [0; PAGE];
@@ -343,6 +349,12 @@ impl Index {
             stale: Vec::new(),
             scratch: None,
         }
+    }
+
+    /// Drops the representatives kept in memory (up to 16 MiB): between passes a page is
+    /// compared rarely, and reading its representative then costs less than keeping them.
+    pub fn release_cache(&mut self) {
+        self.cache.clear();
     }
 
     /// Pages in the index and distinct contents among them.

@@ -3,15 +3,15 @@
 //! A steady pass must cost what the writes cost, so the scan does not look at a clean page
 //! again: it needs, for every page it once hashed, the checksum and whether the page sits in
 //! the index (placed) or waits for the checksum gate (pending). That is kept here, in chunks
-//! of 64 pages that exist only where a page is present: 8.3 bytes per page of dense memory,
+//! of 64 pages that exist only where a page is present: 12.6 bytes per page of dense memory,
 //! and a sparse mapping (a 1 TiB `MAP_NORESERVE` arena, a sanitizer's shadow) costs at most
-//! one 528-byte chunk per present page, never anything per virtual page. `scanned` says which
+//! one 808-byte chunk per present page, never anything per virtual page. `scanned` says which
 //! ranges were read in full at some pass, so that their absent pages are known absent.
 //!
 //! Where new pages are sampled (see `ebpf::sampler`), a chunk also keeps each page's digest:
-//! of a page only sampled (not read, not in the index, its digest alone in the domain's
+//! of a page only sampled (not read, not in the index, counted in the domain's
 //! [`SampleIndex`](super::samples::SampleIndex)), and of a page read whole whose digest the
-//! sample index counts. Every change to those is queued here as a [`DigestChange`] for the
+//! sample index counts. A chunk of pages only sampled keeps no checksums: 4.6 bytes a page. Every change to those is queued here as a [`DigestChange`] for the
 //! scanner to apply to the sample index, so that no path that forgets a page forgets it there.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -38,7 +38,9 @@ pub struct PageInfo {
 
 #[derive(Debug)]
 struct Chunk {
-    checksums: [u64; CHUNK_PAGES as usize],
+    /// Checksums of the known pages: only where the chunk has one (a chunk of pages only
+    /// sampled holds their digests alone).
+    checksums: Option<Box<[u64; CHUNK_PAGES as usize]>>,
     /// Pages with a checksum.
     known: u64,
     /// Pages in the index.
@@ -54,7 +56,7 @@ struct Chunk {
 impl Chunk {
     fn new() -> Box<Self> {
         Box::new(Chunk {
-            checksums: [0; CHUNK_PAGES as usize],
+            checksums: None,
             known: 0,
             placed: 0,
             digests: [0; CHUNK_PAGES as usize],
@@ -65,6 +67,10 @@ impl Chunk {
 
     fn is_empty(&self) -> bool {
         self.known == 0 && self.sampled == 0
+    }
+
+    fn checksum(&self, slot: usize) -> u64 {
+        self.checksums.as_ref().map_or(0, |c| c[slot])
     }
 }
 
@@ -162,7 +168,7 @@ impl PageState {
         let (key, slot) = split(addr);
         let chunk = self.chunks.get(&key)?;
         (chunk.known >> slot & 1 == 1).then(|| PageInfo {
-            checksum: chunk.checksums[slot],
+            checksum: chunk.checksum(slot),
             placed: chunk.placed >> slot & 1 == 1,
         })
     }
@@ -183,7 +189,9 @@ impl PageState {
         release(chunk, slot, addr, &mut self.changes, &mut self.sampled);
         let had_pending = chunk.pending() != 0;
         chunk.known |= bit;
-        chunk.checksums[slot] = info.checksum;
+        chunk
+            .checksums
+            .get_or_insert_with(|| Box::new([0; CHUNK_PAGES as usize]))[slot] = info.checksum;
         if info.placed {
             chunk.placed |= bit;
         } else {
@@ -251,22 +259,33 @@ impl PageState {
         (chunk.tracked >> slot & 1 == 1).then(|| chunk.digests[slot])
     }
 
-    /// Stops keeping the page at `addr` as sampled, without a change for the sample index
-    /// (the caller took it out); returns its digest.
-    pub fn take_sampled(&mut self, addr: u64) -> Option<u32> {
-        let (key, slot) = split(addr);
-        let chunk = self.chunks.get_mut(&key)?;
-        let bit = 1u64 << slot;
-        if chunk.sampled & bit == 0 {
-            return None;
+    /// Stops keeping as sampled the pages whose digest `wanted` says, without a change for
+    /// the sample index (the caller takes them out of it); returns them with their digests.
+    pub fn take_sampled_where(&mut self, wanted: impl Fn(u32) -> bool) -> Vec<(u64, u32)> {
+        let mut taken = Vec::new();
+        let mut emptied = Vec::new();
+        for (&key, chunk) in self.chunks.iter_mut() {
+            let mut sampled = chunk.sampled;
+            while sampled != 0 {
+                let slot = sampled.trailing_zeros() as usize;
+                sampled &= sampled - 1;
+                if wanted(chunk.digests[slot]) {
+                    chunk.sampled &= !(1 << slot);
+                    self.sampled -= 1;
+                    taken.push((
+                        key * CHUNK_SPAN + slot as u64 * PAGE_SIZE,
+                        chunk.digests[slot],
+                    ));
+                }
+            }
+            if chunk.is_empty() {
+                emptied.push(key);
+            }
         }
-        chunk.sampled &= !bit;
-        self.sampled -= 1;
-        let digest = chunk.digests[slot];
-        if chunk.is_empty() {
+        for key in emptied {
             self.chunks.remove(&key);
         }
-        Some(digest)
+        taken
     }
 
     /// Forgets the pages only sampled in `start..end` (queued for the sample index).
@@ -318,13 +337,16 @@ impl PageState {
             return None;
         }
         let info = PageInfo {
-            checksum: chunk.checksums[slot],
+            checksum: chunk.checksum(slot),
             placed: chunk.placed & bit != 0,
         };
         let had_pending = chunk.pending() != 0;
         release(chunk, slot, addr, &mut self.changes, &mut self.sampled);
         chunk.known &= !bit;
         chunk.placed &= !bit;
+        if chunk.known == 0 {
+            chunk.checksums = None;
+        }
         list_pending(
             &mut self.pending_chunks,
             key,
@@ -357,7 +379,7 @@ impl PageState {
                     out.push((
                         addr,
                         PageInfo {
-                            checksum: chunk.checksums[slot as usize],
+                            checksum: chunk.checksum(slot as usize),
                             placed: chunk.placed >> slot & 1 == 1,
                         },
                     ));
@@ -437,7 +459,13 @@ impl PageState {
     /// Bytes of heap this state holds (chunks, pending chunks, scanned ranges), approximately.
     pub fn heap_bytes(&self) -> u64 {
         // A B-tree entry costs about twice its key and value.
-        let chunks = self.chunks.len() as u64 * (size_of::<Chunk>() as u64 + 32);
+        let chunks = self.chunks.len() as u64 * (size_of::<Chunk>() as u64 + 32)
+            + self
+                .chunks
+                .values()
+                .filter(|c| c.checksums.is_some())
+                .count() as u64
+                * (size_of::<[u64; CHUNK_PAGES as usize]>() as u64 + 16);
         chunks + self.pending_chunks.len() as u64 * 16 + self.scanned.as_slice().len() as u64 * 16
     }
 }
@@ -583,7 +611,7 @@ mod tests {
             "{} bytes",
             state.heap_bytes()
         );
-        // Dense memory: about 8 bytes a page.
+        // Dense memory: about 12.5 bytes a page (a checksum and a digest).
         let mut dense = PageState::default();
         for i in 0..65_536u64 {
             dense.set(
@@ -594,6 +622,6 @@ mod tests {
                 },
             );
         }
-        assert!(dense.heap_bytes() / 65_536 <= 10);
+        assert!(dense.heap_bytes() / 65_536 <= 13);
     }
 }

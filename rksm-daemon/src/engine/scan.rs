@@ -490,6 +490,9 @@ const READ_AHEAD_CHUNKS: usize = 4;
 /// is read, so this bounds what a pass adds to the files rksm holds.
 const SCAN_GROUP: usize = 64;
 
+/// A pass that read or sampled this many pages gives back what it held only for itself.
+const RELEASE_AFTER_PAGES: u64 = 64 * CHUNK_PAGES as u64;
+
 /// Reader threads of a large pass.
 const READERS: usize = 2;
 
@@ -692,7 +695,7 @@ impl Scanner {
                 }
             }
         }
-        settle(&mut self.samples, target.domain(), pid, &mut target.pages);
+        settle(&mut self.samples, target.domain(), &mut target.pages);
         self.recheck.remove(&pid);
     }
 
@@ -748,7 +751,7 @@ impl Scanner {
             match self.vmas_of(pid) {
                 Ok((vmas, total)) => {
                     let work = self.plan(target, &vmas);
-                    settle(&mut self.samples, target.domain(), pid, &mut target.pages);
+                    settle(&mut self.samples, target.domain(), &mut target.pages);
                     // Arming it found it off limits: it is not read.
                     if let Some(reason) = target.dirty.refused() {
                         report.refused.push((pid, reason));
@@ -811,6 +814,17 @@ impl Scanner {
             top.sort_unstable_by(|a, b| b.copies.cmp(&a.copies).then(a.checksum.cmp(&b.checksum)));
             top.truncate(10);
             report.top = top;
+        }
+        // What a large pass held only for itself goes back to the system: the
+        // representatives it cached, and the heap its batches and lists freed.
+        let taken_up = report.total.pages_hashed + report.total.pages_sampled;
+        if taken_up >= RELEASE_AFTER_PAGES {
+            for index in self.indexes.values_mut() {
+                index.release_cache();
+            }
+            self.spare_batches = Vec::new();
+            self.recent = RecentBatches::default();
+            give_back_freed_heap();
         }
         report.ksm_checksums = std::mem::take(&mut self.ksm_checksums);
         report.merge_candidates = std::mem::take(&mut self.merge_candidates);
@@ -1105,7 +1119,7 @@ impl Scanner {
                 gap_start = run.end;
             }
             let domain = scan.target.domain();
-            settle(&mut self.samples, domain, pid, &mut scan.target.pages);
+            settle(&mut self.samples, domain, &mut scan.target.pages);
             // The absent pages of the range count for its progress too, with its first step.
             let mut weight = range.pages() - present.iter().map(Range::pages).sum::<u64>();
             for run in &present {
@@ -1227,7 +1241,7 @@ impl Scanner {
         for &(addr, _) in &old {
             pages.remove(addr);
         }
-        settle(&mut self.samples, open.domain, pid, pages);
+        settle(&mut self.samples, open.domain, pages);
         let digest_of_old = |addr: u64| {
             old.binary_search_by_key(&addr, |p| p.0)
                 .map_or(None, |i| old_digests[i])
@@ -1478,15 +1492,11 @@ impl Scanner {
                 },
                 digest,
             );
-            // A page read whole (written, or new where nothing is sampled) that meets a page
-            // only sampled: that one is read whole at its target's next pass.
+            // A page read whole (written, or new where nothing is sampled) that meets pages
+            // only sampled: those are read whole at their target's next pass.
             if let (Some(digest), Content::Loaded(_)) = (digest, content) {
-                if let Some(other) = self
-                    .samples
-                    .get_mut(&open.domain)
-                    .and_then(|s| s.take_sampled(digest, page))
-                {
-                    self.recheck.entry(other.pid).or_default().push(other.addr);
+                if let Some(samples) = self.samples.get_mut(&open.domain) {
+                    samples.read_whole(digest);
                 }
             }
             if let Some(known) = self.pfns_seen.get_mut(&candidate.pfn) {
@@ -1512,7 +1522,7 @@ impl Scanner {
                 );
             }
         }
-        settle(&mut self.samples, open.domain, pid, pages);
+        settle(&mut self.samples, open.domain, pages);
         Ok(())
     }
 
@@ -1526,8 +1536,7 @@ impl Scanner {
         let Some(sampler) = self.sampler.as_mut() else {
             return;
         };
-        // Pages only sampled before that a new page met: read whole with it.
-        let mut met: Vec<PageRef> = Vec::new();
+        let mut wanted = HashMap::new();
         let mut entries = vec![PagemapEntry(0); CHUNK_PAGES];
         let (mut pfns, mut addrs) = (Vec::new(), Vec::new());
         let mut digests = vec![0u32; CHUNK_PAGES];
@@ -1557,7 +1566,6 @@ impl Scanner {
                     full.push(range);
                     continue;
                 }
-                index.reserve(present.iter().map(|r| r.pages() as usize).sum());
                 let mut whole = true;
                 'runs: for run in &present {
                     let mut from = run.start;
@@ -1600,16 +1608,12 @@ impl Scanner {
                                 work.sparse.push(addr);
                                 continue;
                             }
-                            match index.meet(digest, PageRef { pid, addr }) {
+                            match index.meet(digest) {
                                 Meets::Nothing => {
                                     alone.push(addr);
                                     alone_digests.push(digest);
                                 }
-                                Meets::Company => work.sparse.push(addr),
-                                Meets::Sampled(other) => {
-                                    work.sparse.push(addr);
-                                    met.push(other);
-                                }
+                                Meets::Company | Meets::Sampled => work.sparse.push(addr),
                             }
                         }
                         target.pages.set_sampled_many(&alone, &alone_digests);
@@ -1626,30 +1630,29 @@ impl Scanner {
             }
             work.full = full;
         }
-        // The pages only sampled that were met are read whole now, if their target is in
-        // this pass; else at its next pass.
-        let plan_of: HashMap<u32, usize> = plans
-            .iter()
-            .enumerate()
-            .map(|(k, (t, _))| (t.pid(), k))
-            .collect();
-        for other in met {
-            match plan_of.get(&other.pid) {
-                Some(&q) => {
-                    let (their, their_work) = &mut plans[q];
-                    if their.pages.take_sampled(other.addr).is_some() {
-                        their_work.sparse.push(other.addr);
-                        // Sampled this pass: it was counted as one of a kind.
-                        if their_work
-                            .sampled
-                            .iter()
-                            .any(|r| (r.start..r.end).contains(&other.addr))
-                        {
-                            their_work.pages_only_sampled -= 1;
-                        }
-                    }
+        // The pages only sampled whose digest a page met (this pass, or read whole since the
+        // last) are read whole now, found by their digest in the targets of this pass.
+        for (target, work) in plans.iter_mut() {
+            let Some(index) = self.samples.get_mut(&target.domain()) else {
+                continue;
+            };
+            let wanted = wanted
+                .entry(target.domain())
+                .or_insert_with(|| index.take_wanted());
+            if wanted.is_empty() || target.pages.sampled_len() == 0 {
+                continue;
+            }
+            for (addr, digest) in target.pages.take_sampled_where(|d| wanted.contains(&d)) {
+                index.unsample(digest);
+                work.sparse.push(addr);
+                // Sampled this pass: it was counted as one of a kind.
+                if work
+                    .sampled
+                    .iter()
+                    .any(|r| (r.start..r.end).contains(&addr))
+                {
+                    work.pages_only_sampled -= 1;
                 }
-                None => self.recheck.entry(other.pid).or_default().push(other.addr),
             }
         }
         for (_, work) in plans.iter_mut() {
@@ -1661,6 +1664,16 @@ impl Scanner {
     }
 }
 
+/// Returns the heap memory freed since to the system (glibc keeps it otherwise): called after
+/// work that built and dropped large tables.
+pub fn give_back_freed_heap() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only returns free heap memory to the system.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// The digest the sampler gives a page with these bytes.
 fn digest_of(page: &[u8]) -> u32 {
     use rksm_common::sample;
@@ -1668,10 +1681,10 @@ fn digest_of(page: &[u8]) -> u32 {
 }
 
 /// Tells domain `domain`'s sample index what changed in `pages` (of `pid`).
-fn settle(samples: &mut HashMap<u32, SampleIndex>, domain: u32, pid: u32, pages: &mut PageState) {
+fn settle(samples: &mut HashMap<u32, SampleIndex>, domain: u32, pages: &mut PageState) {
     let changes = pages.take_changes();
     if !changes.is_empty() {
-        samples.entry(domain).or_default().follow(pid, &changes);
+        samples.entry(domain).or_default().follow(&changes);
     }
 }
 
