@@ -11,8 +11,9 @@
 //! Where new pages are sampled (see `ebpf::sampler`), a chunk also keeps each page's digest:
 //! of a page only sampled (not read, not in the index, counted in the domain's
 //! [`SampleIndex`](super::samples::SampleIndex)), and of a page read whole whose digest the
-//! sample index counts. A chunk of pages only sampled keeps no checksums: 4.6 bytes a page. Every change to those is queued here as a [`DigestChange`] for the
-//! scanner to apply to the sample index, so that no path that forgets a page forgets it there.
+//! sample index counts. A chunk of pages only sampled keeps no checksums: 4.6 bytes a page.
+//! Every change to those is queued here as a [`DigestChange`] for the scanner to apply to
+//! the sample index, so that no path that forgets a page forgets it there.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -210,23 +211,9 @@ impl PageState {
         );
     }
 
-    /// Records the page at `addr`, not known, as only sampled, with `digest`; the caller put
-    /// it in the sample index.
-    pub fn set_sampled(&mut self, addr: u64, digest: u32) {
-        let (key, slot) = split(addr);
-        let chunk = self.chunks.entry(key).or_insert_with(Chunk::new);
-        let bit = 1u64 << slot;
-        debug_assert!(chunk.known & bit == 0, "a known page is not sampled");
-        if chunk.sampled & bit == 0 {
-            self.sampled += 1;
-        }
-        chunk.sampled |= bit;
-        chunk.digests[slot] = digest;
-    }
-
-    /// Records pages `addrs` (ascending, none known) as only sampled, with `digests`: as
-    /// [`PageState::set_sampled`], one chunk lookup per chunk.
-    pub fn set_sampled_many(&mut self, addrs: &[u64], digests: &[u32]) {
+    /// Records pages `addrs` (ascending, none known) as only sampled, with `digests` (the
+    /// caller counted them in the sample index); one chunk lookup per chunk.
+    pub fn set_sampled(&mut self, addrs: &[u64], digests: &[u32]) {
         let mut i = 0;
         while i < addrs.len() {
             let (key, _) = split(addrs[i]);
@@ -623,5 +610,44 @@ mod tests {
             );
         }
         assert!(dense.heap_bytes() / 65_536 <= 13);
+    }
+
+    #[test]
+    fn every_page_that_leaves_tells_the_sample_index_what_it_counted() {
+        use DigestChange::*;
+        let mut state = PageState::default();
+        state.set_sampled(&[0, P, 70 * P], &[1, 2, 3]);
+        assert_eq!((state.sampled_len(), state.len()), (3, 0));
+        assert_eq!(state.sampled_digest(P), Some(2));
+        assert!(state.take_changes().is_empty(), "the caller counted them");
+        // Read whole: the page only sampled becomes a counted one.
+        let info = PageInfo {
+            checksum: 9,
+            placed: true,
+        };
+        state.set_with_digest(P, info, Some(4));
+        assert_eq!(state.take_changes(), [Unsampled(P, 2), Counted(4)]);
+        assert_eq!(
+            (state.sampled_digest(P), state.counted_digest(P)),
+            (None, Some(4))
+        );
+        // Rewritten without a digest, then gone.
+        state.set(P, info);
+        assert_eq!(state.take_changes(), [Uncounted(4)]);
+        state.set_with_digest(2 * P, info, Some(5));
+        state.remove(2 * P);
+        assert_eq!(state.take_changes(), [Counted(5), Uncounted(5)]);
+        // Taken out to be read whole: no change, the caller takes them out of the index.
+        assert_eq!(state.take_sampled_where(|d| d == 3), [(70 * P, 3)]);
+        assert!(state.take_changes().is_empty());
+        // Outside the VMAs, or everything: queued.
+        state.set_sampled(&[200 * P], &[6]);
+        state.keep_within(&[Vma::anonymous(0, 100 * P)]);
+        assert_eq!(state.take_changes(), [Unsampled(200 * P, 6)]);
+        state.set_with_digest(3 * P, info, Some(7));
+        state.take_changes();
+        state.clear();
+        assert_eq!(state.take_changes(), [Uncounted(7), Unsampled(0, 1)]);
+        assert_eq!(state.sampled_len(), 0);
     }
 }

@@ -1541,8 +1541,9 @@ impl Scanner {
         let (mut pfns, mut addrs) = (Vec::new(), Vec::new());
         let mut digests = vec![0u32; CHUNK_PAGES];
         let (mut alone, mut alone_digests) = (Vec::new(), Vec::new());
+        let mut broken = false;
         for (target, work) in plans.iter_mut() {
-            if work.full.is_empty() || work.hold.is_empty() {
+            if broken || work.full.is_empty() || work.hold.is_empty() {
                 continue;
             }
             let (pid, domain) = (target.pid(), target.domain());
@@ -1552,6 +1553,10 @@ impl Scanner {
             let index = self.samples.entry(domain).or_default();
             let mut full = Vec::new();
             for range in std::mem::take(&mut work.full) {
+                if broken {
+                    full.push(range);
+                    continue;
+                }
                 let new = work.hold.covers(range.start, range.end)
                     && target.pages.pages_in(range.start, range.end).is_empty();
                 let present = match new {
@@ -1597,8 +1602,10 @@ impl Scanner {
                         }
                         let digests = &mut digests[..pfns.len()];
                         if let Err(e) = sampler.sample(&pfns, digests) {
-                            log::warn!("sampling failed ({e}); reading new pages whole");
-                            whole = false;
+                            log::warn!(
+                                "sampling failed ({e}); new pages are read whole from now on"
+                            );
+                            (whole, broken) = (false, true);
                             break 'runs;
                         }
                         alone.clear();
@@ -1616,7 +1623,7 @@ impl Scanner {
                                 Meets::Company | Meets::Sampled => work.sparse.push(addr),
                             }
                         }
-                        target.pages.set_sampled_many(&alone, &alone_digests);
+                        target.pages.set_sampled(&alone, &alone_digests);
                         work.pages_only_sampled += alone.len() as u64;
                         work.pages_sampled += addrs.len() as u64;
                         from += got as u64 * PAGE_SIZE;
@@ -1629,6 +1636,9 @@ impl Scanner {
                 }
             }
             work.full = full;
+        }
+        if broken {
+            self.sampler = None;
         }
         // The pages only sampled whose digest a page met (this pass, or read whole since the
         // last) are read whole now, found by their digest in the targets of this pass.
