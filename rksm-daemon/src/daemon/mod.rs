@@ -1432,6 +1432,10 @@ impl Daemon {
             }
             let marked = &target.marked;
             target.candidates.retain(|&page, _| !marked.contains(page));
+            // A first pass's candidates are marked at once: their table is not kept.
+            if target.candidates.capacity() > 4 * target.candidates.len() + 1024 {
+                target.candidates.shrink_to_fit();
+            }
         }
         for (pid, reason) in refusals {
             self.refuse_remote(pid, reason);
