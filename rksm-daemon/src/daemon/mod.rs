@@ -274,6 +274,9 @@ pub struct DaemonStats {
     pub short_of_files: u64,
     /// The dirty mode in use.
     pub dirty_mode: String,
+    /// How new pages are taken up: `sample` (the sampler loaded) or `read`.
+    #[serde(default)]
+    pub new_pages: String,
     /// Current targets by write-protect source (`userfaultfd`, `soft-dirty`, `none`).
     #[serde(default)]
     pub write_protect: BTreeMap<String, u64>,
@@ -592,6 +595,10 @@ impl Daemon {
                 })
                 .ok(),
         };
+        let new_pages = match scanner.samples() {
+            true => NewPages::Sample,
+            false => NewPages::Read,
+        };
         let mut daemon = Daemon {
             marker: Marker::new(config.policy),
             config,
@@ -604,6 +611,7 @@ impl Daemon {
             domains: Domains::default(),
             stats: DaemonStats {
                 dirty_mode: mode.to_string(),
+                new_pages: new_pages.to_string(),
                 ..DaemonStats::default()
             },
             marking_syscalls: 0,

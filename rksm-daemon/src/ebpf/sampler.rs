@@ -65,8 +65,6 @@ pub struct Sampler {
     base: u64,
     /// Holds the programs.
     ebpf: Ebpf,
-    /// Batches run.
-    runs: u64,
 }
 
 /// A page of the daemon's own, filled with random words and locked while the sampler is set
@@ -148,12 +146,7 @@ impl Sampler {
         }
         let map = ebpf.take_map(JOB).ok_or(GuardError::Missing(JOB))?;
         let job = Array::try_from(map).map_err(|e| GuardError::Map(JOB, e))?;
-        let mut sampler = Sampler {
-            job,
-            base: 0,
-            ebpf,
-            runs: 0,
-        };
+        let mut sampler = Sampler { job, base: 0, ebpf };
         let marker = Marker::new().map_err(SamplerError::Marker)?;
         let pfn = marker.pfn().map_err(SamplerError::Marker)?;
         let mixed = sample::mix(&sample::words_of(marker.bytes()));
@@ -203,16 +196,10 @@ impl Sampler {
             job.pfns[..pfns.len()].copy_from_slice(pfns);
             self.job.set(0, job, 0).map_err(SamplerError::Job)?;
             self.run(SAMPLE_PROGRAM)?;
-            self.runs += 1;
             let done = self.job.get(&0, 0).map_err(SamplerError::Job)?;
             digests.copy_from_slice(&done.digests[..digests.len()]);
         }
         Ok(())
-    }
-
-    /// Batches sampled so far.
-    pub fn runs(&self) -> u64 {
-        self.runs
     }
 }
 
