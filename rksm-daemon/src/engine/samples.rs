@@ -91,6 +91,16 @@ impl SampleIndex {
         std::mem::take(&mut self.wanted)
     }
 
+    /// Wants again those of `digests` that pages only sampled still have (in targets the
+    /// last look did not cover: skipped for a pass, or of no target of that pass).
+    pub fn want_again(&mut self, digests: impl IntoIterator<Item = u32>) {
+        for d in digests {
+            if self.slots.get(&d).is_some_and(|&v| sampled(v) > 0) {
+                self.wanted.insert(d);
+            }
+        }
+    }
+
     /// A page only sampled with `digest` was taken out to be read whole.
     pub fn unsample(&mut self, digest: u32) {
         self.change(digest, |r, s| (r, s.saturating_sub(1)));
@@ -172,6 +182,20 @@ mod tests {
         index.read_whole(3);
         assert_eq!(index.take_wanted().into_iter().collect::<Vec<_>>(), [3]);
         assert_eq!(index.meet(3), Meets::Company);
+    }
+
+    #[test]
+    fn a_digest_whose_pages_only_sampled_were_not_all_found_is_wanted_again() {
+        let mut index = SampleIndex::default();
+        index.meet(1);
+        index.meet(2);
+        assert_eq!(index.meet(1), Meets::Sampled);
+        assert_eq!(index.meet(2), Meets::Sampled);
+        let wanted = index.take_wanted();
+        // The page with digest 1 was found and taken out; the one with 2 was not.
+        index.unsample(1);
+        index.want_again(wanted);
+        assert_eq!(index.take_wanted().into_iter().collect::<Vec<_>>(), [2]);
     }
 
     #[test]

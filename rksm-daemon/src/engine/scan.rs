@@ -1665,6 +1665,13 @@ impl Scanner {
                 }
             }
         }
+        // Pages only sampled with a wanted digest in targets this pass did not cover are
+        // looked for again at the next.
+        for (domain, digests) in wanted {
+            if let Some(index) = self.samples.get_mut(&domain) {
+                index.want_again(digests);
+            }
+        }
         for (_, work) in plans.iter_mut() {
             if work.pages_sampled > 0 || !work.sparse.is_sorted() {
                 work.sparse.sort_unstable();
