@@ -28,8 +28,9 @@ use super::BadInput;
 )]
 pub struct BenchArgs {
     /// Workload: quick, static, mixed, static-4g, quarter-4g (25% duplicates), quarter-16g,
-    /// alike-4g (static-4g, every page alike where rksm samples), large, guests (qemu guests that mark their
-    /// own RAM mergeable; needs --guest-initrd), or a JSON file with the fields of a profile.
+    /// alike-4g (static-4g, every page alike where rksm samples), large, guests (qemu guests
+    /// that mark their own RAM mergeable; needs --guest-initrd), or a JSON file with the
+    /// fields of a profile.
     #[arg(long, value_name = "NAME|FILE")]
     profile: Option<String>,
     /// Small workload, short runs, one repetition: under 3 minutes.
