@@ -211,6 +211,11 @@ pub mod sample {
         }
     }
 
+    /// The digest the sampler gives a page with these bytes (4096 of them).
+    pub fn digest_of(page: &[u8]) -> u32 {
+        digest(mix(&words_of(page)))
+    }
+
     /// The sampled words of `page` (4096 bytes).
     pub fn words_of(page: &[u8]) -> [u64; WORDS] {
         let mut words = [0u64; WORDS];

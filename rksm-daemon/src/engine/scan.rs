@@ -24,11 +24,11 @@ use std::{
     time::Instant,
 };
 
-use rksm_common::PAGE_SIZE;
+use rksm_common::{sample::digest_of, PAGE_SIZE};
 use serde::Serialize;
 
 use crate::{
-    ebpf::sampler::Sampler,
+    ebpf::sampler::{Sampler, SamplerError},
     engine::{
         checksum::{ChecksumKind, NO_CHECKSUM},
         dirty::{DirtySet, DirtySource},
@@ -1538,94 +1538,50 @@ impl Scanner {
         };
         let mut wanted = HashMap::new();
         let mut entries = vec![PagemapEntry(0); CHUNK_PAGES];
-        let (mut pfns, mut addrs) = (Vec::new(), Vec::new());
-        let mut digests = vec![0u32; CHUNK_PAGES];
-        let (mut alone, mut alone_digests) = (Vec::new(), Vec::new());
+        let mut batch = SampleBatch::default();
         let mut broken = false;
         for (target, work) in plans.iter_mut() {
             if broken || work.full.is_empty() || work.hold.is_empty() {
                 continue;
             }
-            let (pid, domain) = (target.pid(), target.domain());
-            let Ok(pagemap) = Pagemap::open(pid) else {
+            let Ok(pagemap) = Pagemap::open(target.pid()) else {
                 continue;
             };
-            let index = self.samples.entry(domain).or_default();
+            let index = self.samples.entry(target.domain()).or_default();
             let mut full = Vec::new();
             for range in std::mem::take(&mut work.full) {
-                if broken {
-                    full.push(range);
-                    continue;
-                }
-                let new = work.hold.covers(range.start, range.end)
+                // Only memory present for the first time where writes are tracked from now on.
+                let new = !broken
+                    && work.hold.covers(range.start, range.end)
                     && target.pages.pages_in(range.start, range.end).is_empty();
-                let present = match new {
-                    true => pagemap.present_runs(range.start, range.end),
-                    false => Ok(Vec::new()),
-                };
-                let Ok(present) = present.map_err(|e| log::debug!("not sampled: {e}")) else {
+                let present = new.then(|| pagemap.present_runs(range.start, range.end));
+                let Some(Ok(present)) = present else {
                     full.push(range);
                     continue;
                 };
-                if !new {
-                    full.push(range);
-                    continue;
-                }
                 let mut whole = true;
                 'runs: for run in &present {
                     let mut from = run.start;
                     while from < run.end {
                         let n = (((run.end - from) / PAGE_SIZE) as usize).min(CHUNK_PAGES);
-                        let Ok(got) = pagemap.read(from, &mut entries[..n]) else {
-                            whole = false;
-                            break 'runs;
+                        let got = match pagemap.read(from, &mut entries[..n]) {
+                            Ok(0) => break,
+                            Ok(got) => got,
+                            Err(_) => {
+                                whole = false;
+                                break 'runs;
+                            }
                         };
-                        if got == 0 {
-                            break;
-                        }
-                        pfns.clear();
-                        addrs.clear();
-                        for (i, entry) in entries[..got].iter().enumerate() {
-                            let addr = from + i as u64 * PAGE_SIZE;
-                            let Some(pfn) = entry.pfn() else { continue };
-                            if entry.file_or_shared() {
-                                continue;
-                            }
-                            // Mapped more than once (KSM, the zero page, a fork): read, as
-                            // before, to be counted once.
-                            if entry.exclusive() && pfn != 0 {
-                                pfns.push(pfn);
-                                addrs.push(addr);
-                            } else {
-                                work.sparse.push(addr);
-                            }
-                        }
-                        let digests = &mut digests[..pfns.len()];
-                        if let Err(e) = sampler.sample(&pfns, digests) {
+                        let pages = &mut target.pages;
+                        if let Err(e) =
+                            batch.take_up(sampler, index, from, &entries[..got], pages, work)
+                        {
                             log::warn!(
                                 "sampling failed ({e}); new pages are read whole from now on"
                             );
                             (whole, broken) = (false, true);
                             break 'runs;
                         }
-                        alone.clear();
-                        alone_digests.clear();
-                        for (&addr, &digest) in addrs.iter().zip(digests.iter()) {
-                            if digest == rksm_common::sample::UNREAD {
-                                work.sparse.push(addr);
-                                continue;
-                            }
-                            match index.meet(digest) {
-                                Meets::Nothing => {
-                                    alone.push(addr);
-                                    alone_digests.push(digest);
-                                }
-                                Meets::Company | Meets::Sampled => work.sparse.push(addr),
-                            }
-                        }
-                        target.pages.set_sampled(&alone, &alone_digests);
-                        work.pages_only_sampled += alone.len() as u64;
-                        work.pages_sampled += addrs.len() as u64;
                         from += got as u64 * PAGE_SIZE;
                     }
                 }
@@ -1681,6 +1637,70 @@ impl Scanner {
     }
 }
 
+/// The buffers of the sampling stage, kept from batch to batch.
+#[derive(Default)]
+struct SampleBatch {
+    pfns: Vec<u64>,
+    addrs: Vec<u64>,
+    digests: Vec<u32>,
+    alone: Vec<u64>,
+    alone_digests: Vec<u32>,
+}
+
+impl SampleBatch {
+    /// Takes up the pages `entries` describe (from `from`, a batch at most): those mapped
+    /// once are sampled and met in `index`; a page mapped more than once (KSM, the zero page,
+    /// a fork), one the sampler could not read, or one whose digest another page has goes to
+    /// `work`'s sparse pages to be read whole; the others are recorded in `pages` as only
+    /// sampled. An error is the sampler's: nothing of the batch was taken up.
+    fn take_up(
+        &mut self,
+        sampler: &mut Sampler,
+        index: &mut SampleIndex,
+        from: u64,
+        entries: &[PagemapEntry],
+        pages: &mut PageState,
+        work: &mut Work,
+    ) -> Result<(), SamplerError> {
+        self.pfns.clear();
+        self.addrs.clear();
+        for (i, entry) in entries.iter().enumerate() {
+            let addr = from + i as u64 * PAGE_SIZE;
+            let Some(pfn) = entry.pfn() else { continue };
+            if entry.file_or_shared() {
+                continue;
+            }
+            if entry.exclusive() && pfn != 0 {
+                self.pfns.push(pfn);
+                self.addrs.push(addr);
+            } else {
+                work.sparse.push(addr);
+            }
+        }
+        self.digests.resize(self.pfns.len(), 0);
+        sampler.sample(&self.pfns, &mut self.digests)?;
+        self.alone.clear();
+        self.alone_digests.clear();
+        for (&addr, &digest) in self.addrs.iter().zip(&self.digests) {
+            if digest == rksm_common::sample::UNREAD {
+                work.sparse.push(addr);
+                continue;
+            }
+            match index.meet(digest) {
+                Meets::Nothing => {
+                    self.alone.push(addr);
+                    self.alone_digests.push(digest);
+                }
+                Meets::Company | Meets::Sampled => work.sparse.push(addr),
+            }
+        }
+        pages.set_sampled(&self.alone, &self.alone_digests);
+        work.pages_only_sampled += self.alone.len() as u64;
+        work.pages_sampled += self.addrs.len() as u64;
+        Ok(())
+    }
+}
+
 /// Returns the heap memory freed since to the system (glibc keeps it otherwise): called after
 /// work that built and dropped large tables.
 pub fn give_back_freed_heap() {
@@ -1689,12 +1709,6 @@ pub fn give_back_freed_heap() {
     unsafe {
         libc::malloc_trim(0);
     }
-}
-
-/// The digest the sampler gives a page with these bytes.
-fn digest_of(page: &[u8]) -> u32 {
-    use rksm_common::sample;
-    sample::digest(sample::mix(&sample::words_of(page)))
 }
 
 /// Tells domain `domain`'s sample index what changed in `pages` (of `pid`).

@@ -528,7 +528,7 @@ mod tests {
 
     #[test]
     fn an_alike_profile_gives_every_page_the_digest_of_every_other() {
-        use rksm_common::sample::{digest, mix, words_of};
+        use rksm_common::sample::digest_of;
         let memory = Memory::map(3, true).unwrap();
         for (page, seed) in [(0, 1), (1, 2), (2, 1 << 40)] {
             memory.fill(page, Some(seed));
@@ -536,7 +536,7 @@ mod tests {
         // SAFETY: the three pages just mapped and filled.
         let bytes = unsafe { std::slice::from_raw_parts(memory.base.cast::<u8>(), 3 * PAGE) };
         let pages: Vec<&[u8]> = bytes.chunks_exact(PAGE).collect();
-        let d = |p: &[u8]| digest(mix(&words_of(p)));
+        let d = digest_of;
         assert_eq!(d(pages[0]), d(pages[1]));
         assert_eq!(d(pages[0]), d(pages[2]));
         assert_ne!(pages[0], pages[1], "alike, not equal");
