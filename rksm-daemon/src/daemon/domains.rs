@@ -191,7 +191,7 @@ pub struct Domains {
     ids: HashMap<String, (u32, usize)>,
     next: u32,
     /// Content checksum → (first domain to mark it, its targets that claimed it).
-    owners: KeyMap<(u32, usize)>,
+    owners: KeyMap<(u32, u32)>,
     /// Domain number → contents of that domain found merged with another domain's: that
     /// domain does not mark them again. Other domains' decisions do not look at it, so a
     /// prober learns a content only through a merge of its own, and once.

@@ -1139,7 +1139,7 @@ impl Daemon {
             let broken: Vec<u64> = written
                 .iter()
                 .copied()
-                .filter(|page| target.merged.remove(page))
+                .filter(|&page| target.merged.remove(page))
                 .collect();
             breaks += broken.len() as u64;
             target.counters.cow_breaks += broken.len() as u64;
@@ -1187,7 +1187,7 @@ impl Daemon {
             let Some(target) = self.targets.get_mut(&pid) else {
                 continue;
             };
-            if target.merged.contains(&page) && target.backoff.hit(page >> REGION_SHIFT, now) {
+            if target.merged.contains(page) && target.backoff.hit(page >> REGION_SHIFT, now) {
                 backed_off.push((pid, page >> REGION_SHIFT));
             }
         }
@@ -1320,7 +1320,7 @@ impl Daemon {
             pages.sort_unstable();
             pages.dedup();
             for page in &pages {
-                target.merged.remove(page);
+                target.merged.remove(*page);
                 target.candidates.remove(page);
             }
             // Given way to an outsider: a candidate again once the back-off ends.

@@ -45,6 +45,77 @@ pub type KeyMap<V> = HashMap<u64, V, BuildKeyHasher>;
 /// A set of checksums or page addresses.
 pub type KeySet = HashSet<u64, BuildKeyHasher>;
 
+/// Pages per block of a [`PageSet`].
+const BLOCK_PAGES: u64 = 64;
+const PAGE_SHIFT: u32 = 12;
+
+/// A set of page addresses, kept as one 64-bit mask per block of 64 pages that holds any.
+///
+/// Pages that ksmd merges come in runs (a duplicated buffer, a guest's zeroed RAM), so a
+/// block holds many of them and a page costs a bit rather than a hash table's 16-odd bytes.
+/// A set of pages scattered one per block costs about what a [`KeySet`] does.
+#[derive(Debug, Default, Clone)]
+pub struct PageSet {
+    blocks: KeyMap<u64>,
+    len: usize,
+}
+
+fn block_of(page: u64) -> (u64, u64) {
+    let index = page >> PAGE_SHIFT;
+    (index / BLOCK_PAGES, 1 << (index % BLOCK_PAGES))
+}
+
+impl PageSet {
+    /// Adds page `page`; true if it was not in the set.
+    pub fn insert(&mut self, page: u64) -> bool {
+        let (block, bit) = block_of(page);
+        let mask = self.blocks.entry(block).or_insert(0);
+        let new = *mask & bit == 0;
+        *mask |= bit;
+        self.len += usize::from(new);
+        new
+    }
+
+    /// Takes page `page` out; true if it was in the set.
+    pub fn remove(&mut self, page: u64) -> bool {
+        let (block, bit) = block_of(page);
+        let Some(mask) = self.blocks.get_mut(&block) else {
+            return false;
+        };
+        let was = *mask & bit != 0;
+        *mask &= !bit;
+        if *mask == 0 {
+            self.blocks.remove(&block);
+        }
+        self.len -= usize::from(was);
+        was
+    }
+
+    /// Whether page `page` is in the set.
+    pub fn contains(&self, page: u64) -> bool {
+        let (block, bit) = block_of(page);
+        self.blocks.get(&block).is_some_and(|mask| mask & bit != 0)
+    }
+
+    /// Pages in the set.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the set is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Extend<u64> for PageSet {
+    fn extend<I: IntoIterator<Item = u64>>(&mut self, pages: I) {
+        for page in pages {
+            self.insert(page);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -65,5 +136,25 @@ mod tests {
             assert!(buckets.len() > 2500, "{} buckets of 4096", buckets.len());
             assert_eq!(control.len(), 128, "every control byte value is used");
         }
+    }
+
+    #[test]
+    fn a_page_set_holds_each_page_once_and_a_run_in_a_few_blocks() {
+        let mut set = PageSet::default();
+        let run = (0..1000u64).map(|i| 0x7f00_0000_0000 + i * 4096);
+        set.extend(run.clone());
+        set.extend(run.clone());
+        assert_eq!(set.len(), 1000);
+        assert!(set.blocks.len() <= 17, "{} blocks for 1000 pages", set.blocks.len());
+        assert!(set.contains(0x7f00_0000_0000 + 999 * 4096));
+        assert!(!set.contains(0x7f00_0000_0000 + 1000 * 4096));
+        assert!(set.remove(0x7f00_0000_0000));
+        assert!(!set.remove(0x7f00_0000_0000), "already out");
+        assert!(!set.contains(0x7f00_0000_0000));
+        for page in run {
+            set.remove(page);
+        }
+        assert!(set.is_empty());
+        assert!(set.blocks.is_empty(), "an empty block is dropped");
     }
 }

@@ -2,12 +2,13 @@
 //! merge domain shares.
 //!
 //! Per digest it counts the pages read whole that have it and the pages only sampled that
-//! have it, in one `u32`: 9 bytes a digest in the table, nothing per page beyond what
-//! `PageState` keeps. A new page whose digest has no entry is only sampled: never copied,
-//! never checksummed, never in the [`Index`](super::index::Index). One whose digest has an
-//! entry is read whole, and so are the pages only sampled there: the index says only that
-//! there are some, and the scanner finds them by their digest in the targets' pages (one walk
-//! of the pages only sampled, in a pass where such pages were met). Only then do checksums
+//! have it. Most digests are one page's, only sampled: those are one `u32` in a set (5 bytes a
+//! digest in the table), and only the others carry their counts. A new page whose digest is
+//! not kept is only sampled: never copied, never checksummed, never in the
+//! [`Index`](super::index::Index). One whose digest is kept is read whole, and so are the
+//! pages only sampled there: the index says only that there are some, and the scanner finds
+//! them by their digest in the targets' pages (one walk of the pages only sampled, in a pass
+//! where such pages were met). Only then do checksums
 //! and byte compares decide what is a duplicate.
 
 use std::{
@@ -49,9 +50,15 @@ pub enum Meets {
     Sampled,
 }
 
+/// The entry of a digest that one page only sampled has, and nothing else.
+const LONE: u32 = 1 << READ_BITS;
+
 #[derive(Debug, Default)]
 pub struct SampleIndex {
-    slots: HashMap<u32, u32, BuildHasherDefault<KeyHasher>>,
+    /// Every digest kept.
+    digests: HashSet<u32, BuildHasherDefault<KeyHasher>>,
+    /// The entries of the digests kept that are not [`LONE`].
+    counts: HashMap<u32, u32, BuildHasherDefault<KeyHasher>>,
     /// Digests whose pages only sampled are to be read whole at the next look for them.
     wanted: HashSet<u32, BuildHasherDefault<KeyHasher>>,
 }
@@ -62,27 +69,53 @@ impl SampleIndex {
     /// and marked as being read until a page of it is counted, so that further pages with
     /// it are read whole too.
     pub fn meet(&mut self, digest: u32) -> Meets {
-        // One probe of the table (a trip to memory when it is large).
-        let v = self.slots.entry(digest).or_insert(0);
+        // One probe of the set for a digest met the first time (a trip to memory when it is
+        // large), the common case.
+        if self.digests.insert(digest) {
+            return Meets::Nothing;
+        }
+        let v = self.counts.entry(digest).or_insert(LONE);
         if read(*v) > 0 || *v & READING != 0 {
             return Meets::Company;
         }
-        if sampled(*v) > 0 {
-            *v |= READING;
-            self.wanted.insert(digest);
-            return Meets::Sampled;
+        *v |= READING;
+        self.wanted.insert(digest);
+        Meets::Sampled
+    }
+
+    /// The entry of `digest`, 0 if it is not kept.
+    fn entry(&self, digest: u32) -> u32 {
+        match self.counts.get(&digest) {
+            Some(&v) => v,
+            None if self.digests.contains(&digest) => LONE,
+            None => 0,
         }
-        *v = with(0, 1, false);
-        Meets::Nothing
+    }
+
+    /// Sets the entry of `digest` to `v`: dropped if 0, in the set alone if [`LONE`].
+    fn set(&mut self, digest: u32, v: u32) {
+        match v {
+            0 => {
+                self.digests.remove(&digest);
+                self.counts.remove(&digest);
+            }
+            LONE => {
+                self.digests.insert(digest);
+                self.counts.remove(&digest);
+            }
+            _ => {
+                self.digests.insert(digest);
+                self.counts.insert(digest, v);
+            }
+        }
     }
 
     /// A page read whole with `digest`: if pages only sampled have it, they are wanted.
     pub fn read_whole(&mut self, digest: u32) {
-        if let Some(v) = self.slots.get_mut(&digest) {
-            if sampled(*v) > 0 && *v & READING == 0 {
-                *v |= READING;
-                self.wanted.insert(digest);
-            }
+        let v = self.entry(digest);
+        if sampled(v) > 0 && v & READING == 0 {
+            self.set(digest, v | READING);
+            self.wanted.insert(digest);
         }
     }
 
@@ -95,7 +128,7 @@ impl SampleIndex {
     /// last look did not cover: skipped for a pass, or of no target of that pass).
     pub fn want_again(&mut self, digests: impl IntoIterator<Item = u32>) {
         for d in digests {
-            if self.slots.get(&d).is_some_and(|&v| sampled(v) > 0) {
+            if sampled(self.entry(d)) > 0 {
                 self.wanted.insert(d);
             }
         }
@@ -111,8 +144,8 @@ impl SampleIndex {
         for &change in changes {
             match change {
                 DigestChange::Counted(d) => {
-                    let v = self.slots.entry(d).or_insert(0);
-                    *v = with((read(*v) + 1).min(READ_MAX), sampled(*v), false);
+                    let v = self.entry(d);
+                    self.set(d, with((read(v) + 1).min(READ_MAX), sampled(v), false));
                 }
                 DigestChange::Uncounted(d) => self.change(d, |r, s| (r.saturating_sub(1), s)),
                 DigestChange::Unsampled(_, d) => self.unsample(d),
@@ -123,10 +156,11 @@ impl SampleIndex {
     /// Applies `f` to the counts of `digest`, but for a count that saturated; drops the entry
     /// once nothing is counted and nothing is being read.
     fn change(&mut self, digest: u32, f: impl Fn(u32, u32) -> (u32, u32)) {
-        let Some(v) = self.slots.get_mut(&digest) else {
+        let v = self.entry(digest);
+        if v == 0 {
             return;
-        };
-        let (r, s) = (read(*v), sampled(*v));
+        }
+        let (r, s) = (read(v), sampled(v));
         let (mut nr, mut ns) = f(r, s);
         if r == READ_MAX {
             nr = r;
@@ -134,20 +168,17 @@ impl SampleIndex {
         if s == SAMPLED_MAX {
             ns = s;
         }
-        *v = with(nr, ns, *v & READING != 0);
-        if *v == 0 {
-            self.slots.remove(&digest);
-        }
+        self.set(digest, with(nr, ns, v & READING != 0));
     }
 
     /// Digests kept.
     pub fn len(&self) -> usize {
-        self.slots.len()
+        self.digests.len()
     }
 
     /// Whether no digest is kept.
     pub fn is_empty(&self) -> bool {
-        self.slots.is_empty()
+        self.digests.is_empty()
     }
 }
 
@@ -206,6 +237,24 @@ mod tests {
         assert_eq!(index.meet(6), Meets::Nothing);
         index.follow(&[DigestChange::Unsampled(0x1000, 6)]);
         assert!(index.is_empty());
+    }
+
+    #[test]
+    fn a_lone_digest_keeps_no_counts() {
+        let mut index = SampleIndex::default();
+        for d in 0..1000 {
+            assert_eq!(index.meet(d), Meets::Nothing);
+        }
+        assert_eq!(index.len(), 1000);
+        assert!(index.counts.is_empty(), "a lone digest is in the set alone");
+        assert_eq!(index.meet(10), Meets::Sampled);
+        assert_eq!(index.counts.len(), 1, "a second page gives it counts");
+        index.unsample(10);
+        index.follow(&[DigestChange::Counted(10)]);
+        index.follow(&[DigestChange::Uncounted(10)]);
+        assert!(index.counts.is_empty() && index.len() == 999, "10 gone");
+        index.unsample(11);
+        assert_eq!(index.len(), 998, "11's only page left");
     }
 
     #[test]

@@ -455,8 +455,10 @@ fn read_and_hash(job: ReadJob, kind: ChecksumKind) -> ReadDone {
         mapped_once,
         mut bytes,
     } = job;
+    // As large as this job needs: a steady pass reads a few pages, and its buffers stay
+    // with the recent batches until the next large pass.
     if bytes.len() < addrs.len() * PAGE {
-        bytes.resize(CHUNK_PAGES.max(addrs.len()) * PAGE, 0);
+        bytes.resize(addrs.len() * PAGE, 0);
     }
     let started = Instant::now();
     let mut read_ok = vec![false; addrs.len()];
@@ -971,7 +973,7 @@ impl Scanner {
         };
         for (addr, info) in target.pages.keep_within(vmas) {
             leave(addr, info);
-            target.merged.remove(&addr);
+            target.merged.remove(addr);
             target.candidates.remove(&addr);
         }
         // Only pages under write protection since they were last read are vouched for.

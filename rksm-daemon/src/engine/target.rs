@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::{
     engine::{
         dirty::{protection::WriteProtect, DirtyState},
-        keys::{KeyMap, KeySet},
+        keys::{KeyMap, KeySet, PageSet},
         merge::Backoff,
         pages::PageState,
     },
@@ -65,7 +65,7 @@ pub struct Target {
     /// Ranges marked mergeable in it.
     pub(crate) marked: RangeSet,
     /// Pages mapped to KSM frames at the last pass.
-    pub(crate) merged: KeySet,
+    pub(crate) merged: PageSet,
     /// Verified duplicates not yet marked, with their checksum.
     pub(crate) candidates: KeyMap<u64>,
     /// Duplicates found when their page was first read, with their checksum: they become
@@ -93,7 +93,7 @@ impl Target {
             dirty: DirtyState::default(),
             pages: PageState::default(),
             marked: RangeSet::default(),
-            merged: KeySet::default(),
+            merged: PageSet::default(),
             candidates: KeyMap::default(),
             held: Vec::new(),
             owned: KeySet::default(),
