@@ -296,7 +296,7 @@ fn an_event_loop_whose_sigterm_arrives_during_a_borrow_sees_its_eintr_and_stops(
 #[test]
 fn a_timed_wait_a_borrow_interrupts_goes_on_for_the_time_it_had_left() {
     require_root();
-    let Ok(watch) = rksm::ebpf::waits::install() else {
+    let Ok(watch) = rksm::ebpf::waits::install(&mut rksm::ebpf::Object::new()) else {
         eprintln!("skipped: the wait watch does not load here");
         return;
     };

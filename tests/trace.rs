@@ -12,6 +12,7 @@ use rksm::{
     ebpf::{
         recorder::Recorder,
         tracer::{Tracer, TracerConfig, WriteLog},
+        Object,
     },
     engine::dirty::{
         protection::{Offer, WriteProtectChoice},
@@ -85,10 +86,13 @@ fn a_full_ring_is_reported_as_a_loss_of_that_process() {
     // The logger must be in place before the tracer binds aya-log to it.
     let _ = log::set_logger(&CapturedLog).map(|()| log::set_max_level(log::LevelFilter::Trace));
     // One page of ring holds about 170 records; nothing drains it while 2000 pages fault.
-    let mut tracer = Tracer::load(TracerConfig {
-        ring_bytes: 4096,
-        ..TracerConfig::default()
-    })
+    let mut tracer = Tracer::load(
+        TracerConfig {
+            ring_bytes: 4096,
+            ..TracerConfig::default()
+        },
+        &mut Object::new(),
+    )
     .unwrap();
     tracer.track(tracked.pid()).unwrap();
     tracked.write(tracked_region, 0, 2000, 7);
@@ -293,10 +297,13 @@ fn bad_input_gets_one_line_and_a_nonzero_exit() {
 fn a_full_tracked_map_refuses_more_and_the_ebpf_source_hashes_those_in_full() {
     require_root();
     let (tracked, extra) = (TestChild::spawn(), TestChild::spawn());
-    let tracer = Tracer::load(TracerConfig {
-        max_tracked: 1,
-        ..TracerConfig::default()
-    })
+    let tracer = Tracer::load(
+        TracerConfig {
+            max_tracked: 1,
+            ..TracerConfig::default()
+        },
+        &mut Object::new(),
+    )
     .unwrap();
     let recorder = Rc::new(RefCell::new(Recorder::new(tracer)));
     let (mut tracked_state, mut extra_state) = (DirtyState::default(), DirtyState::default());

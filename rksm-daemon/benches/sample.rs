@@ -143,7 +143,7 @@ fn reads(c: &mut Criterion) {
             })
         });
     }
-    match rksm::ebpf::sampler::Sampler::load() {
+    match rksm::ebpf::sampler::Sampler::load(&mut rksm::ebpf::Object::new()) {
         Ok(mut sampler) => {
             let pagemap = rksm::kernel::procfs::Pagemap::open(child.pid.as_raw() as u32).unwrap();
             let mut entries = vec![rksm::kernel::procfs::PagemapEntry(0); BATCH];

@@ -478,8 +478,10 @@ impl Daemon {
             Ok(_) => {}
             Err(e) => log::warn!("open files: the soft limit could not be raised: {e}"),
         }
+        // Every eBPF part is loaded from one reading of the kernel's BTF, let go after start-up.
+        let mut object = crate::ebpf::Object::new();
         // The tracer's files first: the targets' must not leave it none.
-        let tracer = match Tracer::load(TracerConfig::default()) {
+        let tracer = match Tracer::load(TracerConfig::default(), &mut object) {
             Ok(tracer) => Some(tracer),
             Err(e) if config.dirty == DirtyMode::Ebpf => return Err(e.into()),
             Err(e) => {
@@ -537,13 +539,13 @@ impl Daemon {
         if config.dirty == DirtyMode::Auto {
             log::info!("dirty mode: {mode} (chosen automatically)");
         }
-        if let Err(e) = waits::install() {
+        if let Err(e) = waits::install(&mut object) {
             log::info!(
                 "no wait watch ({e}): a timed epoll_wait a borrow interrupts returns EINTR (counted in eintr_risk)"
             );
         }
         if mode != DirtyMode::HashOnly && offer.userfaultfd_allowed() {
-            if let Err(e) = guard::install() {
+            if let Err(e) = guard::install(&mut object) {
                 log::warn!(
                     "a target that takes up userfaultfd itself while rksm write-protects it with one may see EBUSY: {e}"
                 );
@@ -579,7 +581,7 @@ impl Daemon {
             dirty,
         )?;
         if mode == DirtyMode::Ebpf && config.new_pages == NewPages::Sample {
-            match Sampler::load() {
+            match Sampler::load(&mut object) {
                 Ok(sampler) => scanner.sample_with(sampler),
                 Err(e) => log::info!("new pages are read whole: no sampler ({e})"),
             }
@@ -587,7 +589,7 @@ impl Daemon {
         let zero_checksum = config.checksum.checksum(&[0; PAGE_SIZE as usize]);
         let marks = match config.domain {
             DomainPolicy::None => None,
-            _ => MarkWatch::load()
+            _ => MarkWatch::load(&mut object)
                 .inspect_err(|e| {
                     log::info!(
                         "no mark watch ({e}): a process that marks its memory mergeable and unmarks it again between two passes is not seen"

@@ -117,11 +117,11 @@ pub struct UffdGuard {
 static GUARD: OnceLock<UffdGuard> = OnceLock::new();
 
 /// Loads and attaches the guard and starts its thread, once per process.
-pub fn install() -> Result<&'static UffdGuard, GuardError> {
+pub fn install(object: &mut super::Object) -> Result<&'static UffdGuard, GuardError> {
     if let Some(guard) = GUARD.get() {
         return Ok(guard);
     }
-    let guard = UffdGuard::load()?;
+    let guard = UffdGuard::load(object)?;
     Ok(GUARD.get_or_init(|| guard))
 }
 
@@ -131,13 +131,13 @@ pub fn installed() -> Option<&'static UffdGuard> {
 }
 
 impl UffdGuard {
-    fn load() -> Result<Self, GuardError> {
+    fn load(object: &mut super::Object) -> Result<Self, GuardError> {
         if EBPF_OBJECT.is_empty() {
             return Err(GuardError::NotBuiltIn);
         }
         let tracefs = tracefs::ensure_mounted()?;
         super::check_syscall_field(tracefs, IOCTL_EVENT, "cmd", IOCTL_CMD_OFFSET)?;
-        let mut ebpf = super::loader_for(&[HELD]).load(EBPF_OBJECT)?;
+        let mut ebpf = object.load(&[HELD], &[])?;
         super::attach_syscall_programs(
             &mut ebpf,
             &[(CREATE_PROGRAM, CREATE_EVENT), (IOCTL_PROGRAM, IOCTL_EVENT)],

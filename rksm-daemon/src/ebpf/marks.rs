@@ -31,7 +31,7 @@ pub struct MarkWatch {
 
 impl MarkWatch {
     /// Loads and attaches the watch; it records from now on, until dropped.
-    pub fn load() -> Result<Self, GuardError> {
+    pub fn load(object: &mut super::Object) -> Result<Self, GuardError> {
         if EBPF_OBJECT.is_empty() {
             return Err(GuardError::NotBuiltIn);
         }
@@ -43,7 +43,7 @@ impl MarkWatch {
         ] {
             super::check_syscall_field(tracefs, event, name, offset)?;
         }
-        let mut ebpf = super::loader_for(&[MARKERS]).load(EBPF_OBJECT)?;
+        let mut ebpf = object.load(&[MARKERS], &[])?;
         super::attach_syscall_programs(&mut ebpf, &PROGRAMS)?;
         let map = ebpf.take_map(MARKERS).ok_or(GuardError::Missing(MARKERS))?;
         let markers = BpfHashMap::try_from(map).map_err(|e| GuardError::Map(MARKERS, e))?;

@@ -15,28 +15,74 @@ pub mod tracefs;
 pub mod tracer;
 pub mod waits;
 
-/// Every sized map of the object, with the smallest size the kernel takes for it: each part
-/// loads the object for its own programs, and the maps it does not use stay that small.
-const SMALLEST: [(&str, u32); 6] = [
-    (rksm_common::names::RECORDS, 4096),
-    (rksm_common::names::TRACKED, 1),
-    (rksm_common::uffd_guard::HELD, 1),
-    (rksm_common::waits::WAITERS, 1),
-    (rksm_common::waits::ENTERED, 1),
-    (rksm_common::marks::MARKERS, 1),
+/// Every sized map of the object, with the smallest size the kernel takes for it and the size
+/// the object declares: each part loads the object for its own programs, and the maps it does
+/// not use stay that small.
+const SIZES: [(&str, u32, u32); 6] = [
+    (
+        rksm_common::names::RECORDS,
+        4096,
+        rksm_common::DEFAULT_RING_BYTES,
+    ),
+    (rksm_common::names::TRACKED, 1, rksm_common::MAX_TRACKED),
+    (rksm_common::uffd_guard::HELD, 1, rksm_common::MAX_TRACKED),
+    (rksm_common::waits::WAITERS, 1, rksm_common::MAX_TRACKED),
+    (
+        rksm_common::waits::ENTERED,
+        1,
+        rksm_common::waits::MAX_WAITING_THREADS,
+    ),
+    (
+        rksm_common::marks::MARKERS,
+        1,
+        rksm_common::marks::MAX_MARKERS,
+    ),
 ];
 
-/// A loader of the object for a part whose maps are `own`: every other map is made as small
-/// as the kernel allows.
-fn loader_for(own: &[&str]) -> aya::EbpfLoader<'static> {
-    let mut loader = aya::EbpfLoader::new();
-    for (name, size) in SMALLEST {
-        if !own.contains(&name) {
-            loader.map_max_entries(name, size);
+/// The eBPF object, to load each part of rksm from.
+///
+/// Making one parses the kernel's BTF (tens of milliseconds, and megabytes while it is
+/// kept): the daemon makes one for its start-up, loads every part it needs from it, and lets
+/// it go.
+pub struct Object {
+    loader: aya::EbpfLoader<'static>,
+}
+
+impl Default for Object {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Object {
+    /// Reads the kernel's BTF for the loads to come.
+    pub fn new() -> Self {
+        Object {
+            loader: aya::EbpfLoader::new(),
         }
     }
-    loader
+
+    /// Loads the object for a part whose maps are `own`, sized as `sizes` says or as the
+    /// object declares them; every other map is made as small as the kernel allows.
+    fn load(&mut self, own: &[&str], sizes: &[(&'static str, u32)]) -> Result<Ebpf, EbpfError> {
+        // The loader keeps the sizes of earlier loads: every map is sized again.
+        for (name, smallest, declared) in SIZES {
+            let size = match own.contains(&name) {
+                true => sizes
+                    .iter()
+                    .find(|(n, _)| *n == name)
+                    .map_or(declared, |&(_, size)| size),
+                false => smallest,
+            };
+            self.loader.map_max_entries(name, size);
+        }
+        self.loader.load(EBPF_OBJECT)
+    }
 }
+
+use aya::{Ebpf, EbpfError};
+
+use tracer::EBPF_OBJECT;
 
 /// Tracefs category of the system-call tracepoints the borrow's and the domains' programs use.
 const SYSCALLS: &str = rksm_common::uffd_guard::CATEGORY;

@@ -130,13 +130,11 @@ impl Drop for Marker {
 
 impl Sampler {
     /// Loads the programs, finds the direct map and checks a sample of a known page.
-    pub fn load() -> Result<Self, SamplerError> {
+    pub fn load(object: &mut super::Object) -> Result<Self, SamplerError> {
         if EBPF_OBJECT.is_empty() {
             return Err(GuardError::NotBuiltIn.into());
         }
-        let mut ebpf = super::loader_for(&[JOB])
-            .load(EBPF_OBJECT)
-            .map_err(GuardError::from)?;
+        let mut ebpf = object.load(&[JOB], &[]).map_err(GuardError::from)?;
         for name in [SAMPLE_PROGRAM, LOCATE_PROGRAM] {
             let program: &mut RawTracePoint = ebpf
                 .program_mut(name)
@@ -222,7 +220,7 @@ mod tests {
     /// Runs only as root with the eBPF object built in; elsewhere it says why and passes.
     #[test]
     fn samples_pages_of_this_process_as_their_bytes_say() {
-        let mut sampler = match Sampler::load() {
+        let mut sampler = match Sampler::load(&mut crate::ebpf::Object::new()) {
             Ok(s) => s,
             Err(e) if !nix::unistd::Uid::effective().is_root() || EBPF_OBJECT.is_empty() => {
                 eprintln!("skipped: {e}");

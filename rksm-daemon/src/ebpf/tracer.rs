@@ -119,7 +119,7 @@ pub struct Tracer {
 impl Tracer {
     /// Checks the tracepoint's layout, loads the program and attaches it. Nothing is tracked
     /// until [`Tracer::track`] is called.
-    pub fn load(config: TracerConfig) -> Result<Self, TracerError> {
+    pub fn load(config: TracerConfig, object: &mut super::Object) -> Result<Self, TracerError> {
         let ring = config.ring_bytes;
         if !ring.is_power_of_two() || u64::from(ring) < PAGE_SIZE {
             return Err(TracerError::BadRingSize(ring));
@@ -134,10 +134,14 @@ impl Tracer {
             source,
             hint: privilege_hint(),
         };
-        let mut ebpf = super::loader_for(&[names::RECORDS, names::TRACKED])
-            .map_max_entries(names::RECORDS, ring)
-            .map_max_entries(names::TRACKED, config.max_tracked.max(1))
-            .load(EBPF_OBJECT)
+        let mut ebpf = object
+            .load(
+                &[names::RECORDS, names::TRACKED],
+                &[
+                    (names::RECORDS, ring),
+                    (names::TRACKED, config.max_tracked.max(1)),
+                ],
+            )
             .map_err(load_err)?;
         // The program logs only rare events (the first loss of a process); without the log
         // map (an object built without aya-log) the tracer still works.
@@ -408,10 +412,13 @@ mod tests {
     #[test]
     fn ring_sizes_that_the_kernel_would_refuse_are_refused_first() {
         for bad in [0, 100, 4095, 3 * 4096] {
-            let err = Tracer::load(TracerConfig {
-                ring_bytes: bad,
-                ..TracerConfig::default()
-            })
+            let err = Tracer::load(
+                TracerConfig {
+                    ring_bytes: bad,
+                    ..TracerConfig::default()
+                },
+                &mut crate::ebpf::Object::new(),
+            )
             .err()
             .unwrap();
             assert!(

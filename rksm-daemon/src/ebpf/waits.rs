@@ -37,11 +37,11 @@ static WATCH: OnceLock<WaitWatch> = OnceLock::new();
 
 /// Loads and attaches the watch once per process, and makes it the borrow's source of entry
 /// times.
-pub fn install() -> Result<&'static WaitWatch, GuardError> {
+pub fn install(object: &mut super::Object) -> Result<&'static WaitWatch, GuardError> {
     if let Some(watch) = WATCH.get() {
         return Ok(watch);
     }
-    let watch = WaitWatch::load()?;
+    let watch = WaitWatch::load(object)?;
     let watch = WATCH.get_or_init(|| watch);
     remote::set_call_entry(entered);
     Ok(watch)
@@ -58,12 +58,12 @@ fn entered(pid: u32, tid: u32) -> Option<u64> {
 }
 
 impl WaitWatch {
-    fn load() -> Result<Self, GuardError> {
+    fn load(object: &mut super::Object) -> Result<Self, GuardError> {
         if EBPF_OBJECT.is_empty() {
             return Err(GuardError::NotBuiltIn);
         }
         tracefs::ensure_mounted()?;
-        let mut ebpf = super::loader_for(&[WAITERS, ENTERED]).load(EBPF_OBJECT)?;
+        let mut ebpf = object.load(&[WAITERS, ENTERED], &[])?;
         super::attach_syscall_programs(&mut ebpf, &PROGRAMS)?;
         let take = |ebpf: &mut Ebpf, name| ebpf.take_map(name).ok_or(GuardError::Missing(name));
         let waiters = BpfHashMap::try_from(take(&mut ebpf, WAITERS)?)

@@ -145,7 +145,11 @@ mod tests {
         set.extend(run.clone());
         set.extend(run.clone());
         assert_eq!(set.len(), 1000);
-        assert!(set.blocks.len() <= 17, "{} blocks for 1000 pages", set.blocks.len());
+        assert!(
+            set.blocks.len() <= 17,
+            "{} blocks for 1000 pages",
+            set.blocks.len()
+        );
         assert!(set.contains(0x7f00_0000_0000 + 999 * 4096));
         assert!(!set.contains(0x7f00_0000_0000 + 1000 * 4096));
         assert!(set.remove(0x7f00_0000_0000));

@@ -50,7 +50,7 @@ pub struct TraceSession {
 impl TraceSession {
     /// Loads the tracer and starts tracking `processes`.
     pub fn start(processes: Vec<Process>, config: TracerConfig) -> Result<Self, TracerError> {
-        let mut recorder = Recorder::new(Tracer::load(config)?);
+        let mut recorder = Recorder::new(Tracer::load(config, &mut crate::ebpf::Object::new())?);
         for process in &processes {
             recorder.track(process.pid(), &mut TracerState::default())?;
         }
