@@ -216,15 +216,17 @@ impl RepCache {
         if self.capacity == 0 || self.pages.contains_key(&page) {
             return;
         }
+        // The oldest content's memory holds the new one: no allocation once the cache is full.
+        let mut spare = None;
         while self.order.len() >= self.capacity {
             match self.order.pop_front() {
-                Some(old) => {
-                    self.pages.remove(&old);
-                }
+                Some(old) => spare = self.pages.remove(&old).or(spare),
                 None => break,
             }
         }
-        self.pages.insert(page, Box::new(*content));
+        let mut slot = spare.unwrap_or_else(|| Box::new([0; PAGE]));
+        slot.copy_from_slice(content);
+        self.pages.insert(page, slot);
         self.order.push_back(page);
     }
 

@@ -144,8 +144,10 @@ impl SampleIndex {
         for &change in changes {
             match change {
                 DigestChange::Counted(d) => {
-                    let v = self.entry(d);
-                    self.set(d, with((read(v) + 1).min(READ_MAX), sampled(v), false));
+                    // Counted at least once from now on: never lone, so in `counts`.
+                    let lone = !self.digests.insert(d);
+                    let v = self.counts.entry(d).or_insert(if lone { LONE } else { 0 });
+                    *v = with((read(*v) + 1).min(READ_MAX), sampled(*v), false);
                 }
                 DigestChange::Uncounted(d) => self.change(d, |r, s| (r.saturating_sub(1), s)),
                 DigestChange::Unsampled(_, d) => self.unsample(d),

@@ -20,6 +20,8 @@ use std::{
 use rksm_common::PAGE_SIZE;
 use serde::Serialize;
 
+pub mod verdict;
+
 use crate::{
     kernel::{
         ksmd::{self, KsmdOwner, KsmdSettings},
@@ -132,6 +134,9 @@ pub struct RunResult {
     /// What rksm's first pass read per second, in GB (rksm modes).
     #[serde(default)]
     pub first_pass_gbps: Option<f64>,
+    /// Pages rksm's first pass took up: read whole or only sampled (rksm modes).
+    #[serde(default)]
+    pub first_pass_pages: Option<u64>,
     /// ksmd's CPU nanoseconds per page scanned (ksmd rows).
     pub ksmd_ns_per_page: Option<f64>,
     /// Pages rksm marked mergeable (rksm modes).
@@ -514,6 +519,7 @@ pub fn run_once(
             }
             _ => None,
         },
+        first_pass_pages: stat("first_pass_pages"),
         ksmd_ns_per_page: (mergeable && ksm_scanned > 0)
             .then(|| ksmd_cpu * 1e9 / ksm_scanned as f64),
         pages_marked: stat("pages_marked"),
@@ -622,6 +628,9 @@ pub fn median_of(mut runs: Vec<RunResult>) -> RunResult {
     typical.steady_pass_seconds = some(|r| r.steady_pass_seconds);
     typical.first_pass_cpu = some(|r| r.first_pass_cpu);
     typical.first_pass_gbps = some(|r| r.first_pass_gbps);
+    typical.first_pass_pages = typical
+        .first_pass_pages
+        .map(|_| u(|r| r.first_pass_pages.unwrap_or(0)));
     typical.rss_bytes_per_page = some(|r| r.rss_bytes_per_page);
     typical.peak_rss_bytes_per_page = some(|r| r.peak_rss_bytes_per_page);
     typical.ksmd_ns_per_page = some(|r| r.ksmd_ns_per_page);
@@ -723,159 +732,6 @@ pub fn memory_speed() -> MemorySpeed {
     }
 }
 
-/// The report's verdicts on the performance targets (docs/BENCHMARKS.md), one line each,
-/// from the xxh64 rows.
-pub fn verdicts(runs: &[RunResult], profile: &Profile, memory: Option<MemorySpeed>) -> Vec<String> {
-    let find = |mode: &str| {
-        runs.iter()
-            .find(|r| r.mode == mode && r.checksum == "xxh64")
-    };
-    let verdict = |met: bool| if met { "MET:" } else { "NOT MET:" };
-    let mut lines = Vec::new();
-    if profile.is_guests() {
-        // Target 3b: guests that mark their own RAM, where ksmd sweeps all of it.
-        let (Some(ebpf), Some(tuned)) = (find("ebpf"), find("ksmd-tuned")) else {
-            return vec!["NOT MEASURED: no ebpf or ksmd-tuned row".into()];
-        };
-        let whole = |r: &RunResult| r.cpu_seconds + r.ksmd_cpu_seconds;
-        let (e, t) = (whole(ebpf), whole(tuned));
-        lines.push(format!(
-            "{} guests, whole run: rksm ebpf + ksmd {e:.2} CPU s, ksmd-tuned {t:.2} s: {:.2}x (target below 1x)",
-            verdict(e < t),
-            e / t.max(1e-9)
-        ));
-        if let (Some(e), Some(t)) = (ebpf.steady_cpu_per_minute, tuned.steady_cpu_per_minute) {
-            lines.push(format!(
-                "{} guests, steady state: rksm ebpf + ksmd {e:.2} CPU s/min, ksmd-tuned {t:.2}: {:.2}x (target below 1x)",
-                verdict(e < t),
-                e / t.max(1e-9)
-            ));
-        }
-        return lines;
-    }
-    // (a) and (b) compare with hash-only; (c) and (d) need only ebpf and ksmd-tuned.
-    let Some(ebpf) = find("ebpf") else {
-        return vec!["NOT MEASURED: no ebpf row".into()];
-    };
-    let hash = find("hash-only");
-    // A target set on one profile ((a) on `static-4g`, (d) on `static`) is judged
-    // there; elsewhere its line is shown for reference.
-    let is_profile = |name: &str| Profile::named(name).as_ref() == Some(profile);
-    let judged_on = |name: &str, met: bool| {
-        if is_profile(name) {
-            verdict(met).to_string()
-        } else {
-            "FOR REFERENCE:".to_string()
-        }
-    };
-    let set_on = |name: &str| {
-        if is_profile(name) {
-            String::new()
-        } else {
-            format!(", set on `{name}`")
-        }
-    };
-    // (a) Steady state, rksm + ksmd CPU per minute.
-    for other in ["ksmd-tuned", "hash-only"] {
-        match (ebpf.steady_cpu_per_minute, find(other).and_then(|r| r.steady_cpu_per_minute)) {
-            (Some(e), Some(o)) => lines.push(format!(
-                "{} (a) steady state: rksm ebpf + ksmd {e:.2} CPU s/min, {other} {o:.2}: 1/{:.0} (target at most 1/20{})",
-                judged_on("static-4g", e * 20.0 <= o),
-                o / e.max(1e-9),
-                set_on("static-4g")
-            )),
-            _ => lines.push(format!("NOT MEASURED: (a) steady state against {other}")),
-        }
-    }
-    // (b) Steady pass time.
-    match (
-        ebpf.steady_pass_seconds,
-        hash.and_then(|h| h.steady_pass_seconds),
-    ) {
-        (Some(e), Some(h)) => lines.push(format!(
-            "{} (b) steady pass: ebpf {:.1} ms, hash-only {:.1} ms: {:.2}% (target at most 1%)",
-            verdict(e <= 0.01 * h),
-            e * 1e3,
-            h * 1e3,
-            e / h.max(1e-9) * 100.0
-        )),
-        _ => lines.push("NOT MEASURED: (b) steady pass against hash-only".into()),
-    }
-    // (c) CPU to 90% of the savings, with its floor.
-    let total = profile.duplicate_mib
-        + profile.zero_mib
-        + profile.unique_mib
-        + profile.volatile_mib
-        + profile.fork_mib;
-    let share = (profile.duplicate_mib + profile.zero_mib) as f64 / total.max(1) as f64;
-    let target = if share <= 0.25 { 1.0 / 3.0 } else { 0.6 };
-    let tuned = find("ksmd-tuned");
-    match (ebpf.cpu_to_90pct, tuned.and_then(|r| r.cpu_to_90pct)) {
-        (Some(cpu), Some(t)) => {
-            let floor = match (ebpf.first_pass_cpu, ebpf.pages_marked, tuned.and_then(|r| r.ksmd_ns_per_page)) {
-                (Some(first), Some(marked), Some(ns)) => format!(
-                    "; floor {:.2} s = first pass {first:.2} s + two ksmd sweeps of {marked} marked pages at {ns:.0} ns a page",
-                    first + 2.0 * marked as f64 * ns / 1e9
-                ),
-                _ => String::new(),
-            };
-            // ksmd's own part is the merging, which ksmd-tuned pays too: when it alone is
-            // near the target, no rksm first pass can bring the sum under it.
-            let ksmd_part = ebpf.ksmd_cpu_to_90pct.map_or(String::new(), |k| {
-                format!("; ksmd's part {k:.2} s ({:.2}x of ksmd-tuned)", k / t.max(1e-9))
-            });
-            lines.push(format!(
-                "{} (c) CPU to 90% of the savings: rksm ebpf + ksmd {cpu:.2} s, ksmd-tuned {t:.2} s: {:.2}x (target at most {target:.2}x with {:.0}% duplicates){ksmd_part}{floor}",
-                verdict(cpu <= target * t),
-                cpu / t.max(1e-9),
-                share * 100.0
-            ))
-        }
-        _ => lines.push("NOT MEASURED: (c) rksm ebpf or ksmd-tuned did not reach 90% of the achievable savings within the run".into()),
-    }
-    // (d) Convergence.
-    match ebpf.seconds_to_90pct {
-        Some(t) => lines.push(format!(
-            "{} (d) rksm ebpf reached 90% of the savings in {t:.1} s{} (target at most 3.5 s{})",
-            judged_on("static", t <= 3.5),
-            tuned
-                .and_then(|r| r.seconds_to_90pct)
-                .map_or(String::new(), |k| format!(", ksmd-tuned in {k:.1} s")),
-            set_on("static")
-        )),
-        None => lines.push(format!(
-            "{} (d) rksm ebpf never reached 90% of the savings",
-            judged_on("static", false)
-        )),
-    }
-    // The first pass, against this machine's memcpy (and the copy out of a process under it).
-    match (ebpf.first_pass_gbps, memory) {
-        (Some(e), Some(memory)) => lines.push(format!(
-            "{} first pass at memory speed: ebpf {e:.1} GB/s{}, memcpy {:.1} GB/s{} here: {:.2}x (target at least 0.9x)",
-            verdict(e >= 0.9 * memory.memcpy_gbps),
-            hash.and_then(|h| h.first_pass_gbps)
-                .map_or(String::new(), |h| format!(", hash-only {h:.1} GB/s")),
-            memory.memcpy_gbps,
-            memory
-                .process_vm_readv_gbps
-                .map_or(String::new(), |r| format!(" (process_vm_readv {r:.1} GB/s)")),
-            e / memory.memcpy_gbps.max(1e-9)
-        )),
-        _ => lines.push("NOT MEASURED: first pass against memcpy".into()),
-    }
-    if let Some(hash) = hash {
-        let ratio = ebpf.pages_hashed as f64 / hash.pages_hashed.max(1) as f64;
-        lines.push(format!(
-            "{} ebpf hashes {:.2}% of what hash-only hashes per steady pass ({} vs {} pages; target at most 10%)",
-            verdict(ratio <= 0.10),
-            ratio * 100.0,
-            ebpf.pages_hashed,
-            hash.pages_hashed
-        ));
-    }
-    lines
-}
-
 /// The Markdown table of a comparison.
 pub fn markdown(
     runs: &[RunResult],
@@ -937,7 +793,7 @@ pub fn markdown(
         }
         md.push('\n');
     }
-    for line in verdicts(runs, profile, memory) {
+    for line in verdict::verdicts(runs, profile, memory) {
         md.push_str(&format!("- {line}\n"));
     }
     md
@@ -1029,7 +885,9 @@ pub fn svg(runs: &[RunResult]) -> String {
 mod tests {
     use super::*;
 
-    fn run(
+    /// A row of `mode` with `checksum` that hashed `hashed` pages a steady pass and reached
+    /// 90% of the savings in `t90` s and `cpu90` CPU s.
+    pub(super) fn run(
         mode: &str,
         checksum: &str,
         hashed: u64,
@@ -1055,6 +913,7 @@ mod tests {
             steady_pass_seconds: Some(hashed as f64 / 1e5),
             first_pass_cpu: Some(0.2),
             first_pass_gbps: Some(hashed as f64 / 1000.0),
+            first_pass_pages: None,
             ksmd_ns_per_page: Some(100.0),
             pages_marked: Some(1000),
             rss_bytes_per_page: None,
@@ -1072,82 +931,6 @@ mod tests {
                 ksmd_cpu: 0.5,
             }],
         }
-    }
-
-    /// Memory speeds as [`memory_speed`] reports them: `memcpy` GB/s, and 3/4 of it read out.
-    fn memory(memcpy: f64) -> Option<MemorySpeed> {
-        Some(MemorySpeed {
-            memcpy_gbps: memcpy,
-            process_vm_readv_gbps: Some(memcpy * 0.75),
-        })
-    }
-
-    #[test]
-    fn verdicts_compare_the_right_rows() {
-        let runs = [
-            run("ksmd", "xxh64", 5000, Some(25.0), Some(3.0)),
-            run("ksmd-tuned", "xxh64", 5000, Some(3.0), Some(3.0)),
-            run("hash-only", "xxh64", 5000, Some(3.0), Some(2.0)),
-            run("ebpf", "xxh64", 40, Some(4.0), Some(0.1)),
-            run("ebpf", "crc32c", 4000, Some(9.0), Some(9.0)),
-        ];
-        let profile = Profile::named("static").unwrap();
-        let v = verdicts(&runs, &profile, memory(10.0));
-        // (a) is set on static-4g: on static, shown for reference.
-        assert_eq!(
-            v[0],
-            "FOR REFERENCE: (a) steady state: rksm ebpf + ksmd 0.10 CPU s/min, ksmd-tuned 3.00: 1/30 (target at most 1/20, set on `static-4g`)",
-        );
-        assert!(
-            v[1].starts_with(
-                "FOR REFERENCE: (a) steady state: rksm ebpf + ksmd 0.10 CPU s/min, hash-only 2.00: 1/20"
-            ),
-            "{v:?}"
-        );
-        let on_4g = verdicts(&runs, &Profile::named("static-4g").unwrap(), memory(10.0));
-        assert!(
-            on_4g[0].starts_with("MET: (a)") && on_4g[0].ends_with("1/30 (target at most 1/20)"),
-            "{on_4g:?}"
-        );
-        // (d) is set on static: on static-4g, shown for reference.
-        assert_eq!(
-            on_4g[4],
-            "FOR REFERENCE: (d) rksm ebpf reached 90% of the savings in 4.0 s, ksmd-tuned in 3.0 s (target at most 3.5 s, set on `static`)"
-        );
-        assert!(
-            v[2].starts_with("MET: (b) steady pass: ebpf 0.4 ms, hash-only 50.0 ms: 0.80%"),
-            "{v:?}"
-        );
-        assert!(v[3].starts_with("MET: (c) CPU to 90% of the savings: rksm ebpf + ksmd 0.10 s, ksmd-tuned 3.00 s: 0.03x (target at most 0.60x with 62% duplicates); ksmd's part 0.04 s (0.01x of ksmd-tuned); floor 0.20 s"), "{v:?}");
-        assert_eq!(
-            v[4],
-            "NOT MET: (d) rksm ebpf reached 90% of the savings in 4.0 s, ksmd-tuned in 3.0 s (target at most 3.5 s)"
-        );
-        assert_eq!(
-            v[5],
-            "NOT MET: first pass at memory speed: ebpf 0.0 GB/s, hash-only 5.0 GB/s, memcpy 10.0 GB/s (process_vm_readv 7.5 GB/s) here: 0.00x (target at least 0.9x)"
-        );
-        assert!(v[6].starts_with("MET: ebpf hashes 0.80%"), "{v:?}");
-        let at_speed = verdicts(&runs, &profile, memory(0.04));
-        assert!(at_speed[5].starts_with("MET: first pass"), "{at_speed:?}");
-        assert_eq!(
-            verdicts(&runs, &profile, None)[5],
-            "NOT MEASURED: first pass against memcpy"
-        );
-        assert_eq!(
-            verdicts(&runs[..2], &profile, memory(10.0)),
-            ["NOT MEASURED: no ebpf row"]
-        );
-        // Without hash-only, (c) and (d) are still judged.
-        let v = verdicts(&[runs[1].clone(), runs[3].clone()], &profile, memory(10.0));
-        assert_eq!(
-            v[1], "NOT MEASURED: (a) steady state against hash-only",
-            "{v:?}"
-        );
-        assert!(v[3].starts_with("MET: (c) CPU to 90%"), "{v:?}");
-        assert!(v[4].starts_with("NOT MET: (d)"), "{v:?}");
-        assert!(v[5].starts_with("NOT MET: first pass at memory speed: ebpf 0.0 GB/s, memcpy"));
-        assert_eq!(v.len(), 6, "{v:?}");
     }
 
     #[test]
