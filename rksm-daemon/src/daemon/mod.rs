@@ -466,6 +466,7 @@ impl Daemon {
     /// Resolves the targets, picks the dirty mode, and takes ksmd over (with the host's
     /// one-daemon lock, which [`KsmdOwner`] holds for as long as it owns ksmd).
     pub fn start(config: DaemonConfig) -> Result<Daemon, DaemonError> {
+        crate::engine::heap::one_arena();
         if let Err(e) = oom::init() {
             log::warn!("/proc/self/oom_score_adj: {e}");
         }
@@ -711,7 +712,7 @@ impl Daemon {
         let (runs_marked, pages_marked) = self.mark(&report, now);
         // Marking many pages built and dropped their lists: give the heap back.
         if report.total.duplicate_pages >= RELEASE_AFTER_DUPLICATES {
-            crate::engine::scan::give_back_freed_heap();
+            crate::engine::heap::give_back_freed();
         }
         let sharing_before = self.stats.pages_sharing;
         self.account(&report);

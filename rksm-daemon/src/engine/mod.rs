@@ -9,6 +9,7 @@
 
 pub mod checksum;
 pub mod dirty;
+pub mod heap;
 pub mod index;
 pub mod keys;
 pub mod merge;

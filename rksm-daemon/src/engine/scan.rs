@@ -32,6 +32,7 @@ use crate::{
     engine::{
         checksum::{ChecksumKind, NO_CHECKSUM},
         dirty::{DirtySet, DirtySource},
+        heap,
         index::{Content, ContentSource, Index, PageRef, Placement, TopContent},
         pages::{PageInfo, PageState},
         samples::{Meets, SampleIndex},
@@ -826,7 +827,7 @@ impl Scanner {
             }
             self.spare_batches = Vec::new();
             self.recent = RecentBatches::default();
-            give_back_freed_heap();
+            heap::give_back_freed();
         }
         report.ksm_checksums = std::mem::take(&mut self.ksm_checksums);
         report.merge_candidates = std::mem::take(&mut self.merge_candidates);
@@ -1700,16 +1701,6 @@ impl SampleBatch {
         work.pages_only_sampled += self.alone.len() as u64;
         work.pages_sampled += self.addrs.len() as u64;
         Ok(())
-    }
-}
-
-/// Returns the heap memory freed since to the system (glibc keeps it otherwise): called after
-/// work that built and dropped large tables.
-pub fn give_back_freed_heap() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: malloc_trim only returns free heap memory to the system.
-    unsafe {
-        libc::malloc_trim(0);
     }
 }
 

@@ -1,0 +1,48 @@
+#!/bin/sh
+# Where rksm's heap goes once it has converged: starts the four workloads of PROFILE, runs
+# the daemon under heaptrack, kills it after pass PASSES (so what is live then is what
+# heaptrack calls leaked), and prints the live heap by the two innermost rksm frames that
+# allocated it, with rksm's VmRSS and VmHWM at that moment.
+#
+#   cargo xtask build && sudo scripts/heap-profile.sh quarter-16g 8
+#
+# Needs heaptrack (apt install heaptrack) and python3.
+set -eu
+profile=${1:-quarter-4g}
+passes=${2:-8}
+rksm=${RKSM:-target/release/rksm}
+dir=$(mktemp -d)
+trap 'kill $(cat "$dir"/w*.pid) 2>/dev/null || true; rm -rf "$dir"' EXIT
+for i in 0 1 2 3; do
+    # A workload runs until its input ends: held open here, on fds 3 to 6, until exit.
+    mkfifo "$dir/in$i"
+    eval "exec $((i + 3))<>\"\$dir/in$i\""
+    "$rksm" --no-config workload --profile "$profile" --index $i <"$dir/in$i" >"$dir/w$i.out" &
+    echo $! >"$dir/w$i.pid"
+done
+pids=""
+for i in 0 1 2 3; do
+    until grep -q ready "$dir/w$i.out" 2>/dev/null; do sleep 0.2; done
+    pids="$pids --pid $(cat "$dir/w$i.pid")"
+done
+# shellcheck disable=SC2086
+heaptrack -o "$dir/heap" "$rksm" --no-config daemon $pids --dirty ebpf --interval 1 \
+    --passes 1000 2>"$dir/daemon.err" >/dev/null &
+until grep -q "pass $passes " "$dir/daemon.err" 2>/dev/null; do sleep 0.5; done
+daemon=$(pgrep -f "^$rksm --no-config daemon" | head -1)
+grep -E "VmRSS|VmHWM" "/proc/$daemon/status"
+kill -9 "$daemon"
+sleep 5
+heaptrack_print -f "$dir"/heap.zst --print-peaks 0 --print-allocators 0 --print-temporary 0 \
+    --print-leaks 0 -F "$dir/stacks" --flamegraph-cost-type leaked >/dev/null
+python3 - "$dir/stacks" <<'PY'
+import collections, re, sys
+live = collections.Counter()
+for line in open(sys.argv[1]):
+    stack, cost = line.rsplit(" ", 1)
+    frames = [re.sub(r"::h[0-9a-f]{16}", "", f) for f in stack.split(";") if f.startswith("rksm::")]
+    live[" < ".join(reversed(frames[-2:])) or "(outside rksm)"] += int(cost)
+print(f"live heap {sum(live.values()) / 1e6:.1f} MB")
+for site, size in live.most_common(12):
+    print(f"{size / 1e6:8.2f} MB  {site[:140]}")
+PY
