@@ -13,7 +13,7 @@ use std::{
 
 use rksm_tests::{
     ksm_pages, ksm_turn, proc_status, require_root, rksm_command, twins, wait_for,
-    with_hostile_host_config, Running, TestChild,
+    with_hostile_host_config, Running, TestChild, PAGE,
 };
 
 /// A scratch directory for one test, removed at the end.
@@ -281,7 +281,7 @@ fn status_shows_a_running_daemon_as_text_json_and_metrics() {
         assert!(pids.contains(&u64::from(child.pid())), "{json}");
     }
     // Profit is what merging saved less rksm's own memory, which is not nothing.
-    let saved = json["counters"]["pages_sharing"].as_i64().unwrap() * 4096;
+    let saved = json["counters"]["pages_sharing"].as_i64().unwrap() * PAGE as i64;
     let profit = json["general_profit"].as_i64().expect("general_profit");
     assert!(
         profit < saved && profit > saved - (1 << 30),
@@ -354,7 +354,7 @@ fn status_shows_a_running_daemon_as_text_json_and_metrics() {
     assert!(value(&http, "rksm_pages_sharing") >= 64, "{http}");
     assert_eq!(
         value(&http, "rksm_saved_bytes"),
-        value(&http, "rksm_pages_sharing") * 4096
+        value(&http, "rksm_pages_sharing") * PAGE
     );
     assert!(value(&http, "rksm_pages_hashed_total") >= 128, "{http}");
     assert!(value(&http, "rksm_pages_skipped_clean_total") > 0, "{http}");

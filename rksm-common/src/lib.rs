@@ -8,6 +8,8 @@
 
 /// Page size the tracer rounds fault addresses down to (x86_64 base pages).
 pub const PAGE_SIZE: u64 = 4096;
+/// The page size as a length, for buffers of pages.
+pub const PAGE: usize = PAGE_SIZE as usize;
 /// Mask that keeps the page part of a virtual address.
 pub const PAGE_MASK: u64 = !(PAGE_SIZE - 1);
 

@@ -21,7 +21,7 @@ use nix::{
 };
 use rksm::engine::checksum::ChecksumKind;
 
-const PAGE: usize = 4096;
+use rksm_common::PAGE;
 const PAGES: usize = 16 * 1024;
 const BATCH: usize = 1024;
 /// The kernel's limit on iovecs per call.

@@ -53,7 +53,7 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static ALLOCATOR: Counting = Counting;
 
-const PAGE: usize = 4096;
+use rksm_common::PAGE;
 const GIB: usize = 1 << 30;
 
 fn median(mut v: Vec<f64>) -> f64 {

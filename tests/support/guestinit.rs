@@ -12,6 +12,8 @@
 
 use std::io::{BufRead, Write};
 
+// Built by rustc alone (`cargo xtask guest-image`), without crates: the page size is written
+// here rather than taken from rksm-common.
 const WORDS: usize = 4096 / 8;
 
 fn word(page: u64, word: usize, index: u64, shared: u64) -> u64 {

@@ -12,7 +12,7 @@ use std::{
 pub mod fuse;
 
 /// Page size of the machines rksm runs on.
-pub const PAGE: u64 = 4096;
+pub const PAGE: u64 = rksm_common::PAGE_SIZE;
 
 /// The content the test child writes for `seed` (its `word` function, page by page).
 pub fn seed_content(seed: u64) -> Vec<u8> {

@@ -81,7 +81,7 @@ use std::{
     os::unix::fs::OpenOptionsExt,
 };
 
-const PAGE: usize = 4096;
+use rksm_common::PAGE;
 const WORDS: usize = PAGE / 8;
 
 fn word(seed: u64, i: usize) -> u64 {

@@ -26,7 +26,7 @@ use std::{
 };
 
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-use rksm_common::PAGE_SIZE;
+use rksm_common::{PAGE, PAGE_SIZE};
 use serde::{Deserialize, Serialize};
 
 use self::domains::Domains;
@@ -587,7 +587,7 @@ impl Daemon {
                 Err(e) => log::info!("new pages are read whole: no sampler ({e})"),
             }
         }
-        let zero_checksum = config.checksum.checksum(&[0; PAGE_SIZE as usize]);
+        let zero_checksum = config.checksum.checksum(&[0; PAGE]);
         let marks = match config.domain {
             DomainPolicy::None => None,
             _ => MarkWatch::load(&mut object)
@@ -1261,7 +1261,7 @@ impl Daemon {
         let zero = self.zero_checksum;
         let holds_zeros = |c: &crossings::Crossing| {
             c.mappings.iter().find(|m| m.target).is_some_and(|m| {
-                let mut page = [0u8; PAGE_SIZE as usize];
+                let mut page = [0u8; PAGE];
                 ProcMem::open(m.pid).is_ok_and(|mem| mem.read_page(m.addr, &mut page))
                     && page.iter().all(|&b| b == 0)
             })
@@ -1614,7 +1614,15 @@ impl Daemon {
             if let Some(fd) = records.filter(|_| watch_ring) {
                 fds.push(PollFd::new(fd, PollFlags::POLLIN));
             }
-            let _ = poll(&mut fds, timeout);
+            match poll(&mut fds, timeout) {
+                Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+                // Not expected of the daemon's own fds; sleeping out the step keeps a poll
+                // that keeps failing from spinning until the deadline.
+                Err(e) => {
+                    log::warn!("waiting for the next pass: poll: {e}");
+                    std::thread::sleep(step);
+                }
+            }
             let interrupted = fds[..interrupts.len()]
                 .iter()
                 .any(|fd| fd.revents().is_some_and(|r| !r.is_empty()));

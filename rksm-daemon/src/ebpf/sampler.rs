@@ -78,7 +78,7 @@ struct Marker {
 
 impl Marker {
     fn new() -> Result<Self, std::io::Error> {
-        let size = rksm_common::PAGE_SIZE as usize;
+        let size = rksm_common::PAGE;
         // SAFETY: a fresh private anonymous mapping; nothing else refers to it.
         let page = unsafe {
             libc::mmap(
@@ -106,7 +106,7 @@ impl Marker {
 
     fn bytes(&self) -> &[u8] {
         // SAFETY: the page mapped in new, alive until drop.
-        unsafe { std::slice::from_raw_parts(self.page, rksm_common::PAGE_SIZE as usize) }
+        unsafe { std::slice::from_raw_parts(self.page, rksm_common::PAGE) }
     }
 
     /// Its frame, from the daemon's own pagemap.
@@ -124,7 +124,7 @@ impl Marker {
 impl Drop for Marker {
     fn drop(&mut self) {
         // SAFETY: the mapping made in new, not used after this.
-        unsafe { libc::munmap(self.page.cast(), rksm_common::PAGE_SIZE as usize) };
+        unsafe { libc::munmap(self.page.cast(), rksm_common::PAGE) };
     }
 }
 

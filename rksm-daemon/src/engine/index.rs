@@ -24,14 +24,13 @@
 
 use std::collections::{hash_map::Entry, HashMap, HashSet, VecDeque};
 
-use rksm_common::PAGE_SIZE;
+use rksm_common::PAGE;
 
 use crate::engine::{
     checksum::{ChecksumKind, PageChecksum},
     keys::{BuildKeyHasher, KeyMap},
 };
 
-const PAGE: usize = PAGE_SIZE as usize;
 /// A class's page list becomes a set past this many pages, so leaving it stays O(1).
 const FEW: usize = 32;
 
@@ -723,23 +722,6 @@ impl Index {
             })
             .collect()
     }
-
-    /// Bytes of heap the index holds, approximately (hash tables at their capacity).
-    pub fn heap_bytes(&self) -> u64 {
-        let singles = self.singles.capacity() * (8 + size_of::<Single>() + 1);
-        let groups: usize = self
-            .groups
-            .values()
-            .map(|c| {
-                8 + 24
-                    + c.iter()
-                        .map(|c| size_of::<Class>() + c.members.len() * 24)
-                        .sum::<usize>()
-            })
-            .sum();
-        let cache = self.cache.pages.len() * (PAGE + 48);
-        (singles + groups + cache) as u64
-    }
 }
 
 #[cfg(test)]
@@ -758,7 +740,7 @@ mod tests {
         fn set(&mut self, pid: u32, index: u64, fill: u8) -> PageRef {
             let page = PageRef {
                 pid,
-                addr: index * PAGE_SIZE,
+                addr: index * rksm_common::PAGE_SIZE,
             };
             self.pages.insert(page, [fill; PAGE]);
             page

@@ -24,7 +24,7 @@ use std::{
     time::Instant,
 };
 
-use rksm_common::{sample::digest_of, PAGE_SIZE};
+use rksm_common::{sample::digest_of, PAGE, PAGE_SIZE};
 use serde::Serialize;
 
 use crate::{
@@ -47,7 +47,6 @@ use crate::{
     },
 };
 
-const PAGE: usize = PAGE_SIZE as usize;
 /// Pages looked at per pagemap read and per `process_vm_readv` batch (2 MiB of contents).
 const CHUNK_PAGES: usize = 512;
 const MIB: f64 = 1024.0 * 1024.0;
@@ -702,19 +701,9 @@ impl Scanner {
         self.recheck.remove(&pid);
     }
 
-    /// The dirty source's mode name.
-    pub fn dirty_mode(&self) -> &'static str {
-        self.dirty.mode()
-    }
-
     /// System calls the dirty source made inside targets.
     pub fn dirty_remote_syscalls(&self) -> u64 {
         self.dirty.remote_syscalls()
-    }
-
-    /// Heap bytes of the indexes, approximately.
-    pub fn index_heap_bytes(&self) -> u64 {
-        self.indexes.values().map(Index::heap_bytes).sum()
     }
 
     /// Runs one pass over `targets`.

@@ -16,7 +16,7 @@ use std::{
     path::PathBuf,
 };
 
-use rksm_common::PAGE_SIZE;
+use rksm_common::{PAGE, PAGE_SIZE};
 
 use crate::kernel::ranges::{page_runs, Range};
 
@@ -430,7 +430,7 @@ fn mapped_where(
 pub fn ksm_flag_reliable() -> bool {
     static RELIABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *RELIABLE.get_or_init(|| {
-        let mut page = vec![0u8; 2 * PAGE_SIZE as usize];
+        let mut page = vec![0u8; 2 * PAGE];
         let addr = (page.as_mut_ptr() as u64).next_multiple_of(PAGE_SIZE);
         // SAFETY: inside the vector, which lives until the end of this closure.
         unsafe { (addr as *mut u8).write_volatile(1) };
@@ -734,7 +734,7 @@ VmFlags: rd mr mw me mg
     /// says the flag can be trusted, a plain page is no KSM page.
     #[test]
     fn a_plain_anonymous_page_is_not_a_ksm_page_where_the_flag_is_trusted() {
-        let mut page = vec![0u8; 4 * PAGE_SIZE as usize];
+        let mut page = vec![0u8; 4 * PAGE];
         let addr = (page.as_mut_ptr() as u64).next_multiple_of(PAGE_SIZE);
         // SAFETY: inside the vector, which lives to the end of the test.
         unsafe { (addr as *mut u8).write_volatile(7) };

@@ -20,9 +20,8 @@ use nix::{
     sys::uio::{process_vm_readv, RemoteIoVec},
     unistd::Pid,
 };
-use rksm_common::PAGE_SIZE;
+use rksm_common::PAGE;
 
-const PAGE: usize = PAGE_SIZE as usize;
 /// The kernel's UIO_MAXIOV: at most this many remote runs per call.
 const MAX_RUNS: usize = 1024;
 
@@ -268,7 +267,7 @@ mod tests {
             std::ptr::write_bytes(map.cast::<u8>(), 9, 3 * PAGE);
             assert_eq!(libc::munmap(map.cast::<u8>().add(PAGE).cast(), PAGE), 0);
         }
-        let addrs = [base, base + PAGE_SIZE, base + 2 * PAGE_SIZE];
+        let addrs = [base, base + PAGE as u64, base + 2 * PAGE as u64];
         let mem = ProcMem::open(std::process::id()).unwrap();
         for mapped_once in [[true; 3], [false; 3]] {
             let mut out = vec![0u8; 3 * PAGE];

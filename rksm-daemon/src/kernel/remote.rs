@@ -43,6 +43,7 @@ use std::{
 };
 
 use nix::{errno::Errno, sys::ptrace, unistd::Pid};
+use rksm_common::PAGE_SIZE;
 
 use crate::kernel::{
     oom,
@@ -587,7 +588,7 @@ fn vdso_syscall_instruction(pid: u32) -> Result<u64, RemoteError> {
     let mem = ProcMem::open(pid).map_err(|_| RemoteError::Gone(pid))?;
     let mut code = vec![0u8; (vdso.end - vdso.start) as usize];
     for (i, page) in code.chunks_mut(4096).enumerate() {
-        if !mem.read_page(vdso.start + i as u64 * 4096, page) {
+        if !mem.read_page(vdso.start + i as u64 * PAGE_SIZE, page) {
             return Err(RemoteError::Refused {
                 pid,
                 reason: RemoteRefusal::NoVdso,
@@ -743,6 +744,15 @@ fn resume_with(request: libc::c_uint, tid: Pid, signal: i32) -> nix::Result<()> 
     Errno::result(r).map(drop)
 }
 
+/// What a failed ptrace request `op` on a thread of `pid` means: ESRCH is a thread that is
+/// gone (or no longer stopped for the tracer, which for rksm ends the session the same way).
+fn ptrace_error(pid: u32, op: &'static str) -> impl Fn(Errno) -> RemoteError {
+    move |errno| match errno {
+        Errno::ESRCH => RemoteError::Gone(pid),
+        errno => RemoteError::Ptrace { pid, op, errno },
+    }
+}
+
 /// One thread of a target, stopped and borrowed for system calls. Dropping the session
 /// restores the thread's registers and signal mask and lets it go;
 /// [`RemoteSession::finish`] does the same and reports errors.
@@ -776,12 +786,7 @@ impl RemoteSession {
         check_borrowable(pid)?;
         let tid = choose_thread(pid)?;
         let syscall_at = vdso_syscall_instruction(pid)?;
-        let ptrace_err = |op| {
-            move |errno| match errno {
-                Errno::ESRCH => RemoteError::Gone(pid),
-                errno => RemoteError::Ptrace { pid, op, errno },
-            }
-        };
+        let ptrace_err = |op| ptrace_error(pid, op);
         let shield = oom::Shield::raise();
         // Seize rather than attach: no SIGSTOP is sent, so nothing the target or its parent
         // can observe happens.
@@ -930,12 +935,7 @@ impl RemoteSession {
     /// (negative errno on failure, as the kernel returns it).
     pub fn syscall(&mut self, number: u64, args: &[u64]) -> Result<i64, RemoteError> {
         let pid = self.pid;
-        let err = |op| {
-            move |errno| match errno {
-                Errno::ESRCH => RemoteError::Gone(pid),
-                errno => RemoteError::Ptrace { pid, op, errno },
-            }
-        };
+        let err = |op| ptrace_error(pid, op);
         let (Some(saved), Some(mask)) = (self.saved, self.saved_mask) else {
             return Err(RemoteError::Gone(pid));
         };
@@ -1062,12 +1062,7 @@ impl RemoteSession {
         }
         self.released = true;
         let pid = self.pid;
-        let err = |op| {
-            move |errno| match errno {
-                Errno::ESRCH => RemoteError::Gone(pid),
-                errno => RemoteError::Ptrace { pid, op, errno },
-            }
-        };
+        let err = |op| ptrace_error(pid, op);
         let restored = match self.saved {
             Some(saved) => arch::set(self.tid, saved).map_err(err("setregs")),
             None => Ok(()),

@@ -26,7 +26,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use rksm_common::PAGE_SIZE;
+use rksm_common::{PAGE, PAGE_SIZE};
 
 use crate::kernel::{
     limits,
@@ -88,7 +88,7 @@ impl ProbePage {
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                PAGE_SIZE as usize,
+                PAGE,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
                 -1,
@@ -108,7 +108,7 @@ impl ProbePage {
 impl Drop for ProbePage {
     fn drop(&mut self) {
         // SAFETY: the mapping made in `map`, of that size, unmapped once.
-        unsafe { libc::munmap(self.0.cast(), PAGE_SIZE as usize) };
+        unsafe { libc::munmap(self.0.cast(), PAGE) };
     }
 }
 

@@ -30,7 +30,7 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-use rksm_common::PAGE_SIZE;
+use rksm_common::{PAGE, PAGE_SIZE};
 
 use crate::kernel::{
     process::Process,
@@ -376,7 +376,7 @@ impl Armed {
         for range in ranges {
             for Range { start, end } in self.registered.within(*range) {
                 let found = &mut |region: &PageRegion| {
-                    let pages = (region.start..region.end).step_by(PAGE_SIZE as usize);
+                    let pages = (region.start..region.end).step_by(PAGE);
                     if region.categories & PAGE_IS_PFNZERO != 0 {
                         written.zero_page.extend(pages.clone());
                     }

@@ -13,7 +13,7 @@ use std::{
 
 use serde::{Deserialize, Serialize};
 
-const PAGE: usize = 4096;
+use rksm_common::PAGE;
 const WORDS: usize = PAGE / 8;
 
 /// What each workload process holds, in MiB, and how fast it writes.

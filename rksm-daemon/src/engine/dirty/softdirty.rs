@@ -40,7 +40,7 @@
 
 use std::collections::HashSet;
 
-use rksm_common::PAGE_SIZE;
+use rksm_common::{PAGE, PAGE_SIZE};
 
 use crate::{
     engine::dirty::audit_slice,
@@ -293,8 +293,7 @@ impl SoftDirtyArming {
         for base in huge_pages(pid, &recorded) {
             let huge = Range::new(base, base + HUGE_PAGE);
             for r in armed_before.within(huge) {
-                self.unprotected
-                    .extend((r.start..r.end).step_by(PAGE_SIZE as usize));
+                self.unprotected.extend((r.start..r.end).step_by(PAGE));
             }
         }
         let mut found = Found {

@@ -17,7 +17,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use rksm_common::PAGE_SIZE;
+use rksm_common::{PAGE, PAGE_SIZE};
 use serde::Serialize;
 
 pub mod verdict;
@@ -689,8 +689,8 @@ pub fn memory_speed() -> MemorySpeed {
     const SOURCE: usize = 1 << 30;
     const CHUNK: usize = 2 << 20;
     // Page-aligned, as a target's pages are (a read across two pages pins both).
-    let backing = vec![0x5au8; SOURCE + PAGE_SIZE as usize];
-    let offset = backing.as_ptr().align_offset(PAGE_SIZE as usize);
+    let backing = vec![0x5au8; SOURCE + PAGE];
+    let offset = backing.as_ptr().align_offset(PAGE);
     let source = &backing[offset..offset + SOURCE];
     let mut chunk = vec![0u8; CHUNK];
     // GB/s of `copy` over the whole source, a chunk at a time, the median of three sweeps;
@@ -715,7 +715,7 @@ pub fn memory_speed() -> MemorySpeed {
     })
     .unwrap_or(0.0);
     let process_vm_readv_gbps = ProcMem::open(std::process::id()).ok().and_then(|mem| {
-        let pages = CHUNK / PAGE_SIZE as usize;
+        let pages = CHUNK / PAGE;
         let mapped_once = vec![true; pages];
         let mut read = vec![false; pages];
         let mut addrs = Vec::with_capacity(pages);
