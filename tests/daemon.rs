@@ -48,7 +48,7 @@ fn daemon_with_domains(
         ..DaemonConfig::default()
     };
     let daemon = Daemon::start(config).expect("daemon starts");
-    assert_eq!(daemon.dirty_mode(), mode.to_string());
+    assert_eq!(daemon.dirty_mode(), mode);
     daemon
 }
 

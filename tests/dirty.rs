@@ -88,7 +88,7 @@ fn daemon_over(pid: u32, regions: &[Region], config: Config) -> Daemon {
         ..DaemonConfig::default()
     })
     .expect("daemon starts");
-    assert_eq!(daemon.dirty_mode(), config.mode.to_string());
+    assert_eq!(daemon.dirty_mode(), config.mode);
     daemon
 }
 

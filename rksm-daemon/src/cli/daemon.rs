@@ -277,7 +277,7 @@ fn serve(spec: TargetSpec, options: &Settings, child: Option<u32>) -> anyhow::Re
         other => anyhow::Error::new(other),
     })?;
     log::info!(
-        dirty = daemon.dirty_mode(), checksum = options.checksum.to_string().as_str(),
+        dirty = daemon.dirty_mode().to_string().as_str(), checksum = options.checksum.to_string().as_str(),
         domain = options.domain.to_string().as_str(), interval = options.interval;
         "running with --dirty {} --checksum {} --domain {}",
         daemon.dirty_mode(),

@@ -71,25 +71,11 @@ const RELEASE_AFTER_DUPLICATES: u64 = 32 * 1024;
 /// How often, at most, the daemon drains the tracer's ring between passes.
 pub const DRAIN_EVERY: Duration = Duration::from_millis(100);
 
-/// How the daemon decides which pages to hash again.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-pub enum DirtyMode {
-    /// ebpf if the tracer loads, else pagemap, where the kernel offers write protection;
-    /// hash-only where it offers none.
-    #[default]
-    Auto,
-    /// KSM's rule: rehash everything every pass.
-    HashOnly,
-    /// The eBPF write-fault tracer plus write protection (userfaultfd or soft-dirty).
-    Ebpf,
-    /// Write protection, written bits from the kernel (PAGEMAP_SCAN or soft-dirty bits).
-    Pagemap,
-}
-
-crate::value_enum_text!(DirtyMode => "dirty mode");
+pub use crate::engine::dirty::DirtyMode;
 
 /// How the ebpf mode takes up memory it has not seen.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum NewPages {
     /// Sample each new page in the kernel (a few bytes, through the direct map) and read
     /// whole only those whose sample meets another page's; read them all where the sampler
@@ -273,10 +259,10 @@ pub struct DaemonStats {
     #[serde(default)]
     pub short_of_files: u64,
     /// The dirty mode in use.
-    pub dirty_mode: String,
+    pub dirty_mode: DirtyMode,
     /// How new pages are taken up: `sample` (the sampler loaded) or `read`.
     #[serde(default)]
-    pub new_pages: String,
+    pub new_pages: NewPages,
     /// Current targets by write-protect source (`userfaultfd`, `soft-dirty`, `none`).
     #[serde(default)]
     pub write_protect: BTreeMap<String, u64>,
@@ -613,8 +599,8 @@ impl Daemon {
             refusals: Refusals::default(),
             domains: Domains::default(),
             stats: DaemonStats {
-                dirty_mode: mode.to_string(),
-                new_pages: new_pages.to_string(),
+                dirty_mode: mode,
+                new_pages,
                 ..DaemonStats::default()
             },
             marking_syscalls: 0,
@@ -648,8 +634,8 @@ impl Daemon {
     }
 
     /// The dirty mode in use.
-    pub fn dirty_mode(&self) -> &str {
-        &self.stats.dirty_mode
+    pub fn dirty_mode(&self) -> DirtyMode {
+        self.stats.dirty_mode
     }
 
     /// The counters so far.

@@ -38,7 +38,7 @@ use serde::{Deserialize, Serialize};
 use rksm_common::PAGE_SIZE;
 
 use crate::{
-    daemon::{unix_time, Daemon, DaemonStats, PassSummary},
+    daemon::{unix_time, Daemon, DaemonStats, DirtyMode, PassSummary},
     engine::target::{Target, TargetCounters},
     kernel::procfs::KsmStat,
 };
@@ -88,7 +88,7 @@ pub struct Status {
     /// The daemon's pid.
     pub daemon_pid: u32,
     /// The dirty mode in use.
-    pub dirty_mode: String,
+    pub dirty_mode: DirtyMode,
     /// The checksum gate.
     pub checksum: String,
     /// The merge-domain policy.
@@ -116,7 +116,7 @@ impl Status {
         Status {
             version: env!("CARGO_PKG_VERSION").into(),
             daemon_pid: std::process::id(),
-            dirty_mode: daemon.dirty_mode().into(),
+            dirty_mode: daemon.dirty_mode(),
             checksum: config.checksum.to_string(),
             domain: config.domain.to_string(),
             started_unix: unix_time(daemon.started()),
@@ -227,7 +227,7 @@ fn render(status: &Status, per_target: bool) -> String {
         &[(
             labels(&[
                 ("version", &status.version),
-                ("dirty_mode", &status.dirty_mode),
+                ("dirty_mode", &status.dirty_mode.to_string()),
                 ("checksum", &status.checksum),
                 ("domain", &status.domain),
             ]),
@@ -1092,7 +1092,7 @@ mod tests {
     fn sample() -> Status {
         let mut status = Status {
             version: "0.1.0".into(),
-            dirty_mode: "ebpf".into(),
+            dirty_mode: DirtyMode::Ebpf,
             checksum: "xxh64".into(),
             domain: "uid".into(),
             last_pass: Some(PassSummary {

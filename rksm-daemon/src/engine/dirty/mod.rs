@@ -328,11 +328,38 @@ impl DirtyState {
     }
 }
 
+/// How the daemon decides which pages to hash again.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Default,
+    clap::ValueEnum,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum DirtyMode {
+    /// ebpf if the tracer loads, else pagemap, where the kernel offers write protection;
+    /// hash-only where it offers none.
+    #[default]
+    Auto,
+    /// KSM's rule: rehash everything every pass ([`HashOnly`]).
+    HashOnly,
+    /// The eBPF write-fault tracer plus write protection, userfaultfd or soft-dirty
+    /// ([`EbpfSource`]).
+    Ebpf,
+    /// Write protection, written bits from the kernel, PAGEMAP_SCAN or soft-dirty bits
+    /// ([`PagemapSource`]).
+    Pagemap,
+}
+
+crate::value_enum_text!(DirtyMode => "dirty mode");
+
 /// Decides, per target and pass, which pages must be rehashed.
 pub trait DirtySource {
-    /// The mode's name as the command line spells it (`hash-only`, `ebpf`, `pagemap`).
-    fn mode(&self) -> &'static str;
-
     /// The pages of `process` (within its scanned `vmas`) written since the previous call
     /// with the same `state`. Sources that arm do it here, before the pages are read. The
     /// first call for a target must return [`DirtySet::All`] or an empty armed set.
@@ -354,10 +381,6 @@ pub trait DirtySource {
 pub struct HashOnly;
 
 impl DirtySource for HashOnly {
-    fn mode(&self) -> &'static str {
-        "hash-only"
-    }
-
     fn dirty_pages(
         &mut self,
         _process: &Process,
@@ -442,10 +465,6 @@ impl PagemapSource {
 }
 
 impl DirtySource for PagemapSource {
-    fn mode(&self) -> &'static str {
-        "pagemap"
-    }
-
     fn dirty_pages(
         &mut self,
         process: &Process,
@@ -523,10 +542,6 @@ impl EbpfSource {
 }
 
 impl DirtySource for EbpfSource {
-    fn mode(&self) -> &'static str {
-        "ebpf"
-    }
-
     fn dirty_pages(
         &mut self,
         process: &Process,
@@ -639,7 +654,6 @@ mod tests {
                 .unwrap();
             assert_eq!(dirty, DirtySet::All);
         }
-        assert_eq!(source.mode(), "hash-only");
         child.kill().unwrap();
         child.wait().unwrap();
     }
