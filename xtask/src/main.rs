@@ -18,6 +18,7 @@ use std::{
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 
+mod deb;
 mod kernel_bench;
 mod vm;
 
@@ -105,6 +106,10 @@ enum Cmd {
         #[arg(long, default_value = "/usr/local")]
         prefix: PathBuf,
     },
+    /// Build a Debian package (target/deb/rksm_VERSION_amd64.deb): the stripped binary, the
+    /// unit, the example configuration, man pages and completions; nothing is started on
+    /// install. It is installed into a scratch root and checked, and lintian run on it.
+    Deb,
 }
 
 /// Test suites that take minutes; `cargo xtask test --quick` leaves them out.
@@ -122,6 +127,9 @@ fn main() -> ExitCode {
             args,
         } => test(quick, &kernel, args),
         Cmd::Install { prefix } => install(&prefix),
+        Cmd::Deb => build_dist()
+            .and_then(|binary| deb::build(&workspace_root(), &binary))
+            .map(|deb| println!("xtask: {} built and checked", deb.display())),
         Cmd::GuestImage => guest_image().map(|path| println!("{}", path.display())),
         Cmd::Bench {
             kernel: Some(kernel),
@@ -694,6 +702,18 @@ fn test(quick: bool, kernel: &str, args: Vec<OsString>) -> Result<()> {
     for line in lines {
         println!("tests on {line}");
     }
+    // The Debian package, built from the dist binary and checked in a scratch root.
+    if on_host && !quick {
+        let packaged = build_dist().and_then(|binary| deb::build(&workspace_root(), &binary));
+        match &packaged {
+            Ok(deb) => println!(
+                "package: {} built, installed into a scratch root, checked",
+                deb.display()
+            ),
+            Err(e) => println!("package: {e:#}"),
+        }
+        outcome = outcome.and(packaged.map(|_| ()));
+    }
     println!("tests: {passed} passed, {failed} failed");
     outcome?;
     if passed == 0 {
@@ -720,7 +740,8 @@ fn test_suites() -> Result<Vec<String>> {
     Ok(suites)
 }
 
-fn install(prefix: &Path) -> Result<()> {
+/// Builds the stripped, optimised binary (the `dist` profile); returns its path.
+fn build_dist() -> Result<PathBuf> {
     let route = setup()?;
     build_ebpf(route)?;
     run_checked(
@@ -729,8 +750,12 @@ fn install(prefix: &Path) -> Result<()> {
             .env("RKSM_EBPF_OBJECT", ebpf_object()),
     )
     .context("building the dist binary")?;
+    Ok(workspace_root().join("target/dist/rksm"))
+}
+
+fn install(prefix: &Path) -> Result<()> {
+    let built = build_dist()?;
     let root = workspace_root();
-    let built = root.join("target/dist/rksm");
     let bin = prefix.join("bin");
     let man = prefix.join("share/man/man1");
     let share = prefix.join("share/rksm");
