@@ -1,0 +1,163 @@
+//! Marking: the verified duplicates of each target handed to ksmd (in pid order, each
+//! decided from its domain's own history), the copy-on-write breaks counted, and the regions
+//! whose merged pages keep breaking backed off.
+
+use super::*;
+
+impl Daemon {
+    /// Step 4: counts writes the tracer saw on pages that were merged at the previous pass,
+    /// and backs off the regions they happened in.
+    pub(super) fn account_cow_breaks(&mut self, report: &PassReport, now: u64) -> u64 {
+        let mut breaks = 0;
+        let mut backed_off: Vec<(u32, u64)> = Vec::new();
+        for p in &report.processes {
+            let Some(target) = self.targets.get_mut(&p.pid) else {
+                continue;
+            };
+            let written = match &self.recorder {
+                Some(recorder) => {
+                    // Taking records here in ebpf mode would hide a write made since the
+                    // scan from the next pass's dirty set; it joins the next window instead.
+                    if !self.dirty_takes_records {
+                        recorder.borrow_mut().take(p.pid, &mut target.dirty.tracer);
+                    }
+                    target.dirty.tracer.close_window()
+                }
+                None => HashSet::new(),
+            };
+            let broken: Vec<u64> = written
+                .iter()
+                .copied()
+                .filter(|&page| target.merged.remove(page))
+                .collect();
+            breaks += broken.len() as u64;
+            target.counters.cow_breaks += broken.len() as u64;
+            let regions: HashSet<u64> = broken.iter().map(|page| page >> REGION_SHIFT).collect();
+            for region in regions {
+                if target.backoff.hit(region, now) {
+                    backed_off.push((p.pid, region));
+                }
+            }
+            // Pages looked at this pass and found mapped to KSM frames; with the verified
+            // duplicates marked (step 5), the pages a write would break.
+            if let Some(merged) = report.ksm_pages.get(&p.pid) {
+                target.merged.extend(merged.iter().copied());
+            }
+        }
+        for (pid, region) in backed_off {
+            self.unmark_region(pid, region);
+        }
+        self.stats.cow_breaks += breaks;
+        breaks
+    }
+
+    /// Backing off unmarks the region, so ksmd stops merging pages that do not stay merged.
+    pub(super) fn unmark_region(&mut self, pid: u32, region: u64) {
+        let Some(target) = self.targets.get_mut(&pid) else {
+            return;
+        };
+        let (start, end) = (region << REGION_SHIFT, (region + 1) << REGION_SHIFT);
+        let runs: Vec<Run> = target.marked.within(Range::new(start, end));
+        log::info!("pid {pid}: merged pages in {start:#x}-{end:#x} keep breaking; backing off");
+        match self.marker.unmark(target, &runs) {
+            Ok(outcome) => self.marking_syscalls += outcome.remote_syscalls,
+            Err(e) => log::warn!("pid {pid}: unmarking a backed-off region: {e}"),
+        }
+    }
+
+    /// Between passes, with more than one merge domain: a write the tracer saw on a marked
+    /// duplicate may put another domain's content there, and ksmd, if it is sweeping, would
+    /// merge it before the next pass looks. So its region backs off now, as the next pass
+    /// would have done (the pass then finds it backed off already and counts the break).
+    pub(super) fn back_off_written_marks(&mut self, written: Vec<(u32, u64)>) {
+        let now = self.stats.full_scans;
+        let mut backed_off = Vec::new();
+        for (pid, page) in written {
+            let Some(target) = self.targets.get_mut(&pid) else {
+                continue;
+            };
+            if target.merged.contains(page) && target.backoff.hit(page >> REGION_SHIFT, now) {
+                backed_off.push((pid, page >> REGION_SHIFT));
+            }
+        }
+        for (pid, region) in backed_off {
+            self.unmark_region(pid, region);
+        }
+    }
+
+    /// Step 5: marks the new duplicate runs of every target; returns how many runs, and
+    /// pages in them, were marked.
+    pub(super) fn mark(&mut self, report: &PassReport, now: u64) -> (u64, u64) {
+        let (mut runs_marked, mut pages_marked) = (0, 0);
+        let mut refusals = Vec::new();
+        // Contents already merged somewhere belong to that process's domain.
+        for (pid, sums) in &report.ksm_checksums {
+            if let Some(target) = self.targets.get_mut(pid) {
+                for &sum in sums {
+                    self.domains.claim(sum, target.domain(), &mut target.owned);
+                }
+            }
+        }
+        let allow_gaps = self.domains.count() <= 1;
+        // A verified duplicate is found once, when it is placed; it stays a candidate until
+        // it is marked, written or unmapped (a domain's claim, a back-off or the marking
+        // budget may hold it back for a while).
+        for (pid, pages) in &report.merge_candidates {
+            if let Some(target) = self.targets.get_mut(pid) {
+                target.candidates.extend(pages.iter().copied());
+            }
+        }
+        // In pid order, so which domain first marks a content does not depend on hashing.
+        for (&pid, target) in self.targets.iter_mut() {
+            if target.candidates.is_empty() {
+                continue;
+            }
+            let Some((vmas, vma_count)) = report.vmas.get(&pid) else {
+                continue;
+            };
+            let domain = target.domain();
+            let marked = &target.marked;
+            target.candidates.retain(|&page, _| !marked.contains(page));
+            let mut mine = Vec::with_capacity(target.candidates.len());
+            let mut pages: Vec<(u64, u64)> =
+                target.candidates.iter().map(|(&p, &s)| (p, s)).collect();
+            pages.sort_unstable();
+            for (page, sum) in pages {
+                if target.backoff.blocks(page, now) {
+                    continue;
+                }
+                // Decided from this domain's own history only.
+                if self.domains.claim(sum, domain, &mut target.owned) {
+                    mine.push(page);
+                }
+            }
+            // Marked verified duplicates are ksmd's to merge: a write to one breaks a merge,
+            // or one about to happen.
+            target.merged.extend(mine.iter().copied());
+            let runs = self
+                .marker
+                .plan(pid, &target.marked, &mine, vmas, *vma_count, allow_gaps);
+            match self.marker.mark(target, &runs) {
+                Ok(outcome) => {
+                    runs_marked += outcome.runs;
+                    pages_marked += outcome.pages;
+                    self.marking_syscalls += outcome.remote_syscalls;
+                }
+                Err(RemoteError::Refused { reason, .. }) => refusals.push((pid, reason)),
+                // The next pass drops it, or starts over with its new program.
+                Err(RemoteError::Gone(_) | RemoteError::NewImage(_)) => {}
+                Err(e) => log::warn!("marking in pid {pid}: {e}"),
+            }
+            let marked = &target.marked;
+            target.candidates.retain(|&page, _| !marked.contains(page));
+            // A first pass's candidates are marked at once: their table is not kept.
+            if target.candidates.capacity() > 4 * target.candidates.len() + 1024 {
+                target.candidates.shrink_to_fit();
+            }
+        }
+        for (pid, reason) in refusals {
+            self.refuse_remote(pid, reason);
+        }
+        (runs_marked, pages_marked)
+    }
+}
