@@ -15,6 +15,10 @@ pub mod tracefs;
 pub mod tracer;
 pub mod waits;
 
+use aya::{Ebpf, EbpfError};
+
+use tracer::EBPF_OBJECT;
+
 /// Every sized map of the object, with the smallest size the kernel takes for it and the size
 /// the object declares: each part loads the object for its own programs, and the maps it does
 /// not use stay that small.
@@ -79,10 +83,6 @@ impl Object {
         self.loader.load(EBPF_OBJECT)
     }
 }
-
-use aya::{Ebpf, EbpfError};
-
-use tracer::EBPF_OBJECT;
 
 /// Tracefs category of the system-call tracepoints the borrow's and the domains' programs use.
 const SYSCALLS: &str = rksm_common::uffd_guard::CATEGORY;

@@ -8,8 +8,8 @@
 //! [`Index`](super::index::Index). One whose digest is kept is read whole, and so are the
 //! pages only sampled there: the index says only that there are some, and the scanner finds
 //! them by their digest in the targets' pages (one walk of the pages only sampled, in a pass
-//! where such pages were met). Only then do checksums
-//! and byte compares decide what is a duplicate.
+//! where such pages were met). Only then do checksums and byte compares decide what is a
+//! duplicate.
 
 use std::{
     collections::{HashMap, HashSet},
