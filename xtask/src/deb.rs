@@ -17,9 +17,6 @@ use std::{
 
 use anyhow::{bail, Context, Result};
 
-/// The package's version: the rksm crate's.
-const VERSION: &str = env!("CARGO_PKG_VERSION");
-
 /// Where the unit in packaging/ expects the binary, and where the package puts it.
 const UNIT_BINARY: (&str, &str) = ("/usr/local/bin/rksm", "/usr/bin/rksm");
 
@@ -83,8 +80,9 @@ const PROMISED: &[&str] = &[
 /// Builds target/deb/rksm_VERSION_amd64.deb from the dist binary `binary` and the files of
 /// `root` (the workspace), checks it, and returns its path.
 pub fn build(root: &Path, binary: &Path) -> Result<PathBuf> {
+    let version = version_of(binary)?;
     let out = root.join("target/deb");
-    let tree = out.join(format!("rksm_{VERSION}_amd64"));
+    let tree = out.join(format!("rksm_{version}_amd64"));
     if tree.exists() {
         fs::remove_dir_all(&tree).with_context(|| format!("removing {}", tree.display()))?;
     }
@@ -126,7 +124,7 @@ pub fn build(root: &Path, binary: &Path) -> Result<PathBuf> {
     )?;
     let doc = dir("usr/share/doc/rksm")?;
     fs::write(doc.join("copyright"), COPYRIGHT)?;
-    fs::write(doc.join("changelog"), changelog())?;
+    fs::write(doc.join("changelog"), changelog(&version))?;
     crate::run_checked(Command::new("gzip").arg("-9n").arg(doc.join("changelog")))?;
     fs::copy(
         packaging.join("rksm-daemonset.yaml"),
@@ -134,7 +132,10 @@ pub fn build(root: &Path, binary: &Path) -> Result<PathBuf> {
     )?;
 
     let debian = dir("DEBIAN")?;
-    fs::write(debian.join("control"), control(installed_kib(&tree)?))?;
+    fs::write(
+        debian.join("control"),
+        control(&version, installed_kib(&tree)?),
+    )?;
     fs::write(debian.join("conffiles"), "/etc/rksm/rksm.toml\n")?;
     for (name, text) in [("postinst", POSTINST), ("postrm", POSTRM)] {
         fs::write(debian.join(name), text)?;
@@ -142,7 +143,7 @@ pub fn build(root: &Path, binary: &Path) -> Result<PathBuf> {
     }
     fs::write(debian.join("md5sums"), md5sums(&tree)?)?;
 
-    let deb = out.join(format!("rksm_{VERSION}_amd64.deb"));
+    let deb = out.join(format!("rksm_{version}_amd64.deb"));
     crate::run_checked(
         Command::new("dpkg-deb")
             .args(["--root-owner-group", "-Zxz", "--build"])
@@ -150,8 +151,18 @@ pub fn build(root: &Path, binary: &Path) -> Result<PathBuf> {
             .arg(&deb),
     )
     .context("dpkg-deb --build")?;
-    check(&out, &deb)?;
+    check(&out, &deb, &version)?;
     Ok(deb)
+}
+
+/// The version the binary reports (`rksm --version`: "rksm X.Y.Z"): the package's.
+fn version_of(binary: &Path) -> Result<String> {
+    let out = Command::new(binary).arg("--version").output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    match text.trim().strip_prefix("rksm ") {
+        Some(version) if out.status.success() && !version.is_empty() => Ok(version.to_string()),
+        _ => bail!("{} --version said {text:?}", binary.display()),
+    }
 }
 
 fn set_mode(path: &Path, mode: u32) -> Result<()> {
@@ -160,10 +171,10 @@ fn set_mode(path: &Path, mode: u32) -> Result<()> {
         .with_context(|| format!("chmod {}", path.display()))
 }
 
-fn control(installed_kib: u64) -> String {
+fn control(version: &str, installed_kib: u64) -> String {
     format!(
         "Package: rksm
-Version: {VERSION}
+Version: {version}
 Architecture: amd64
 Maintainer: rksm developers <rksm@users.noreply.github.com>
 Installed-Size: {installed_kib}
@@ -182,9 +193,9 @@ Description: deduplicates identical anonymous memory across processes
     )
 }
 
-fn changelog() -> String {
+fn changelog(version: &str) -> String {
     format!(
-        "rksm ({VERSION}) unstable; urgency=medium\n\n  * Packaged by cargo xtask deb.\n\n -- rksm developers <rksm@users.noreply.github.com>  Wed, 02 Dec 2026 00:00:00 +0000\n"
+        "rksm ({version}) unstable; urgency=medium\n\n  * Packaged by cargo xtask deb.\n\n -- rksm developers <rksm@users.noreply.github.com>  Wed, 02 Dec 2026 00:00:00 +0000\n"
     )
 }
 
@@ -232,7 +243,7 @@ fn md5sums(tree: &Path) -> Result<String> {
 
 /// Installs `deb` into a scratch root under `out` and checks what it put there; then asks
 /// `dpkg-deb --info` and lintian.
-fn check(out: &Path, deb: &Path) -> Result<()> {
+fn check(out: &Path, deb: &Path, version: &str) -> Result<()> {
     let scratch = out.join("scratch-root");
     if scratch.exists() {
         fs::remove_dir_all(&scratch)?;
@@ -272,11 +283,10 @@ fn check(out: &Path, deb: &Path) -> Result<()> {
     {
         bail!("installing the package enabled a unit");
     }
-    let version = Command::new(scratch.join("usr/bin/rksm"))
-        .arg("--version")
-        .output()?;
-    if !version.status.success() || !String::from_utf8_lossy(&version.stdout).contains(VERSION) {
-        bail!("the installed rksm does not run: {version:?}");
+    let installed =
+        version_of(&scratch.join("usr/bin/rksm")).context("running the installed rksm")?;
+    if installed != version {
+        bail!("the installed rksm is {installed}, the package {version}");
     }
     let status = fs::read_to_string(admin.join("status"))?;
     if !status.contains("Package: rksm") || !status.contains("Status: install ok installed") {

@@ -73,7 +73,7 @@ impl Daemon {
 
     /// Warns, once, when processes selected by command name alone belong to several users:
     /// any user can give a process of theirs that name.
-    pub(super) fn warn_if_named_by_anyone(&mut self) {
+    fn warn_if_named_by_anyone(&mut self) {
         if self.warned_name_only || !self.config.targets.by_name_only() {
             return;
         }
@@ -215,7 +215,7 @@ impl Daemon {
     /// borrowed again, so what was marked in it stays marked. One whose merge domain changed
     /// (a `setuid`, a move to another cgroup) takes nothing marked into its new domain: rksm
     /// unmarks what it marked there and places it again, as a new target, next pass.
-    pub(super) fn follow_the_processes(&mut self) {
+    fn follow_the_processes(&mut self) {
         let outsiders = self.new_outsiders();
         self.warn_about(&outsiders);
         let mut off_limits = Vec::new();

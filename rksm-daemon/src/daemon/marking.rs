@@ -52,7 +52,7 @@ impl Daemon {
     }
 
     /// Backing off unmarks the region, so ksmd stops merging pages that do not stay merged.
-    pub(super) fn unmark_region(&mut self, pid: u32, region: u64) {
+    fn unmark_region(&mut self, pid: u32, region: u64) {
         let Some(target) = self.targets.get_mut(&pid) else {
             return;
         };

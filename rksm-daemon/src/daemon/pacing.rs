@@ -37,7 +37,7 @@ pub(super) struct KsmdWork {
 
 /// What ksmd is to do until the next pass.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum KsmdPace {
+enum KsmdPace {
     /// Sweep the marked pages.
     Sweep,
     /// Rest: the settings found at take-over.
@@ -57,7 +57,7 @@ impl Pacing {
     /// After a pass that found `work`, with ksmd at `full_scans` and `marked` pages marked,
     /// at `now`: what ksmd is to do. Work waits for a batch of 1/64 of the marked pages, or
     /// for `max_delay`.
-    pub(super) fn after_pass(
+    fn after_pass(
         &mut self,
         work: KsmdWork,
         full_scans: u64,

@@ -160,7 +160,7 @@ impl Daemon {
     }
 
     /// One crossing, for the log: who maps the frame, in which domain.
-    pub(super) fn describe(&self, crossing: &crossings::Crossing) -> String {
+    fn describe(&self, crossing: &crossings::Crossing) -> String {
         let mut who: Vec<String> = crossing
             .mappings
             .iter()

@@ -45,30 +45,24 @@ const SIZES: [(&str, u32, u32); 6] = [
 
 /// The eBPF object, to load each part of rksm from.
 ///
-/// Making one parses the kernel's BTF (tens of milliseconds, and megabytes while it is
-/// kept): the daemon makes one for its start-up, loads every part it needs from it, and lets
-/// it go.
+/// Its first load parses the kernel's BTF (tens of milliseconds, and megabytes while it is
+/// kept), and the loads after it reuse it: the daemon makes one for its start-up, loads every
+/// part it needs from it, and lets it go.
+#[derive(Default)]
 pub struct Object {
-    loader: aya::EbpfLoader<'static>,
-}
-
-impl Default for Object {
-    fn default() -> Self {
-        Self::new()
-    }
+    loader: Option<aya::EbpfLoader<'static>>,
 }
 
 impl Object {
-    /// Reads the kernel's BTF for the loads to come.
+    /// An object nothing was loaded from yet.
     pub fn new() -> Self {
-        Object {
-            loader: aya::EbpfLoader::new(),
-        }
+        Self::default()
     }
 
     /// Loads the object for a part whose maps are `own`, sized as `sizes` says or as the
     /// object declares them; every other map is made as small as the kernel allows.
     fn load(&mut self, own: &[&str], sizes: &[(&'static str, u32)]) -> Result<Ebpf, EbpfError> {
+        let loader = self.loader.get_or_insert_with(aya::EbpfLoader::new);
         // The loader keeps the sizes of earlier loads: every map is sized again.
         for (name, smallest, declared) in SIZES {
             let size = match own.contains(&name) {
@@ -78,9 +72,9 @@ impl Object {
                     .map_or(declared, |&(_, size)| size),
                 false => smallest,
             };
-            self.loader.map_max_entries(name, size);
+            loader.map_max_entries(name, size);
         }
-        self.loader.load(EBPF_OBJECT)
+        loader.load(EBPF_OBJECT)
     }
 }
 

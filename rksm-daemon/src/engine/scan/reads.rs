@@ -22,7 +22,7 @@ impl ContentSource for LiveMemory {
 }
 
 /// How many batches read in a pass are kept after they are placed.
-pub(super) const RECENT_BATCHES: usize = 3;
+const RECENT_BATCHES: usize = 3;
 
 /// The last batches read in a pass, kept for the representatives of the next ones: the
 /// targets are read side by side, so the page a copy is compared with was most often read
@@ -31,20 +31,20 @@ pub(super) const RECENT_BATCHES: usize = 3;
 /// keeping a batch gives the oldest one's buffer back for the next read.
 #[derive(Default)]
 pub(super) struct RecentBatches {
-    pub(super) batches: VecDeque<ReadBatch>,
+    batches: VecDeque<ReadBatch>,
 }
 
 /// One batch: page `addrs[i]` of `pid`, with checksum `sums[i]`, at `bytes[i * PAGE..]`.
-pub(super) struct ReadBatch {
-    pub(super) pid: u32,
-    pub(super) addrs: Vec<u64>,
-    pub(super) sums: Vec<u64>,
-    pub(super) bytes: Vec<u8>,
+struct ReadBatch {
+    pid: u32,
+    addrs: Vec<u64>,
+    sums: Vec<u64>,
+    bytes: Vec<u8>,
 }
 
 impl RecentBatches {
     /// The bytes of `page`, if a recent batch read it and they have checksum `sum`.
-    pub(super) fn find(&self, page: PageRef, sum: u64) -> Option<&[u8; PAGE]> {
+    fn find(&self, page: PageRef, sum: u64) -> Option<&[u8; PAGE]> {
         self.batches
             .iter()
             .filter(|b| b.pid == page.pid)
@@ -89,11 +89,11 @@ impl RecentBatches {
 }
 
 /// Pages of one process to read and checksum: `addrs`, ascending, into `bytes`.
-pub(super) struct ReadJob {
-    pub(super) mem: Arc<ProcMem>,
-    pub(super) addrs: Vec<u64>,
-    pub(super) mapped_once: Vec<bool>,
-    pub(super) bytes: Vec<u8>,
+struct ReadJob {
+    mem: Arc<ProcMem>,
+    addrs: Vec<u64>,
+    mapped_once: Vec<bool>,
+    bytes: Vec<u8>,
 }
 
 /// A job done: page `addrs[i]` at `bytes[i * PAGE..]` with checksum `sums[i]`
@@ -109,7 +109,7 @@ pub(super) struct ReadDone {
 }
 
 /// Reads and checksums `job`'s pages.
-pub(super) fn read_and_hash(job: ReadJob, kind: ChecksumKind) -> ReadDone {
+fn read_and_hash(job: ReadJob, kind: ChecksumKind) -> ReadDone {
     let ReadJob {
         mem,
         addrs,
@@ -148,12 +148,12 @@ pub(super) fn read_and_hash(job: ReadJob, kind: ChecksumKind) -> ReadDone {
 /// Chunks differ in what they cost to read and to place, and readers kept a few ahead are
 /// not kept waiting by one costly placement (two were slower than four; eight too, their
 /// buffers no longer in the cache).
-pub(super) const READ_AHEAD_CHUNKS: usize = 4;
+const READ_AHEAD_CHUNKS: usize = 4;
 /// Reader threads of a large pass.
-pub(super) const READERS: usize = 2;
+const READERS: usize = 2;
 
 /// A pass over at least this many pages reads on reader threads (given two CPUs or more).
-pub(super) const READ_AHEAD_PAGES: u64 = 8 * CHUNK_PAGES as u64;
+const READ_AHEAD_PAGES: u64 = 8 * CHUNK_PAGES as u64;
 
 /// Where the chunks of a pass are read, in the order they were prepared. A pass over much
 /// memory spends half its time copying pages out of the targets and checksumming them and
@@ -161,7 +161,7 @@ pub(super) const READ_AHEAD_PAGES: u64 = 8 * CHUNK_PAGES as u64;
 /// the scanner places the one before, so the two halves overlap (on two cores a first pass
 /// takes 0.7 of the time, 0.6 in hash-only mode, for the same CPU). A small pass (the steady
 /// state's few written pages) reads in line: a thread would cost more than it saves.
-pub(super) enum Reads {
+enum Reads {
     InLine {
         kind: ChecksumKind,
         done: VecDeque<ReadDone>,
@@ -175,7 +175,7 @@ pub(super) enum Reads {
 }
 
 impl Reads {
-    pub(super) fn in_line(kind: ChecksumKind) -> Self {
+    fn in_line(kind: ChecksumKind) -> Self {
         Reads::InLine {
             kind,
             done: VecDeque::new(),
@@ -184,7 +184,7 @@ impl Reads {
 
     /// `n` reader threads in `scope`, named `rksm-reader`; they end when this is dropped. If
     /// a thread cannot be started (a task limit), the pass reads in line instead.
-    pub(super) fn threads<'scope>(
+    fn threads<'scope>(
         scope: &'scope thread::Scope<'scope, '_>,
         kind: ChecksumKind,
         n: usize,
@@ -215,7 +215,7 @@ impl Reads {
         }
     }
 
-    pub(super) fn submit(&mut self, job: ReadJob) {
+    fn submit(&mut self, job: ReadJob) {
         match self {
             Reads::InLine { kind, done } => done.push_back(read_and_hash(job, *kind)),
             Reads::Threads {
@@ -230,7 +230,7 @@ impl Reads {
 
     /// The oldest job submitted and not yet taken, once done: the reader thread's wait is
     /// the one an in-line read would have had.
-    pub(super) fn next(&mut self) -> Option<ReadDone> {
+    fn next(&mut self) -> Option<ReadDone> {
         match self {
             Reads::InLine { done, .. } => done.pop_front(),
             Reads::Threads {
@@ -372,7 +372,7 @@ impl Scanner {
     /// Takes the next chunk of `scan` and looks it up in pagemap: what to read of it goes to
     /// `reads`, the rest waits in the returned [`Prepared`] for [`Scanner::place`]. A failure
     /// ends the scan.
-    pub(super) fn prepare_next(
+    fn prepare_next(
         &mut self,
         scan: &mut InProgress<'_>,
         which: usize,
@@ -411,7 +411,7 @@ impl Scanner {
     /// and lists the present with how each is to be obtained; those that may have changed (of
     /// a sparse step, the work's `rehash`; else all) are to be read, in the returned job.
     /// None if the target could not be opened.
-    pub(super) fn prepare(
+    fn prepare(
         &mut self,
         scan: &mut InProgress<'_>,
         which: usize,

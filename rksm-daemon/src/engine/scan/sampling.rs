@@ -6,11 +6,11 @@ use super::*;
 /// The buffers of the sampling stage, kept from batch to batch.
 #[derive(Default)]
 pub(super) struct SampleBatch {
-    pub(super) pfns: Vec<u64>,
-    pub(super) addrs: Vec<u64>,
-    pub(super) digests: Vec<u32>,
-    pub(super) alone: Vec<u64>,
-    pub(super) alone_digests: Vec<u32>,
+    pfns: Vec<u64>,
+    addrs: Vec<u64>,
+    digests: Vec<u32>,
+    alone: Vec<u64>,
+    alone_digests: Vec<u32>,
 }
 
 impl SampleBatch {
@@ -19,7 +19,7 @@ impl SampleBatch {
     /// a fork), one the sampler could not read, or one whose digest another page has goes to
     /// `work`'s sparse pages to be read whole; the others are recorded in `pages` as only
     /// sampled. An error is the sampler's: nothing of the batch was taken up.
-    pub(super) fn take_up(
+    fn take_up(
         &mut self,
         sampler: &mut Sampler,
         index: &mut SampleIndex,

@@ -15,7 +15,7 @@ pub fn render_public_metrics(status: &Status) -> String {
     render(status, false)
 }
 
-pub(super) fn render(status: &Status, per_target: bool) -> String {
+fn render(status: &Status, per_target: bool) -> String {
     let mut out = String::new();
     let c = &status.counters;
     // Names follow the exposition conventions: counters end in `_total`, and quantities are
@@ -372,7 +372,7 @@ pub(super) fn render(status: &Status, per_target: bool) -> String {
 }
 
 /// `{a="x",b="y"}` with Prometheus escaping.
-pub(super) fn labels(pairs: &[(&str, &str)]) -> String {
+fn labels(pairs: &[(&str, &str)]) -> String {
     let inner: Vec<String> = pairs
         .iter()
         .map(|(k, v)| {

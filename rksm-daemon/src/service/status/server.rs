@@ -58,7 +58,7 @@ impl HttpAccess {
 pub const CLIENT_DEADLINE: Duration = Duration::from_secs(2);
 /// Clients served at once, on the socket and on the HTTP port each; more wait in the
 /// listen queue.
-pub(super) const MAX_CLIENTS: usize = 16;
+const MAX_CLIENTS: usize = 16;
 
 /// Serves the latest [`Status`] from a thread, until dropped.
 pub struct StatusServer {
@@ -151,7 +151,7 @@ impl Drop for StatusServer {
 
 /// Accepts clients and hands each to a thread of its own, sleeping until one comes, a
 /// paused listener is due, or `woken` says to look at `stop`.
-pub(super) fn serve(
+fn serve(
     unix: &UnixListener,
     http: Option<&TcpListener>,
     token: Option<String>,
@@ -255,12 +255,12 @@ pub(super) fn serve(
 }
 
 /// How often the accept loop looks again at a listener whose clients were all busy.
-pub(super) const BUSY_POLL: Duration = Duration::from_millis(50);
+const BUSY_POLL: Duration = Duration::from_millis(50);
 
 /// Pauses a listener after a failed accept: 10 ms, doubling up to a second while accepts
 /// keep failing.
 #[derive(Debug, Default)]
-pub(super) struct Backoff {
+struct Backoff {
     until: Option<Instant>,
     wait: Duration,
 }
@@ -303,7 +303,7 @@ impl Backoff {
     }
 }
 
-pub(super) fn answer_unix(mut stream: UnixStream, status: &Status) -> io::Result<()> {
+fn answer_unix(mut stream: UnixStream, status: &Status) -> io::Result<()> {
     stream.set_nonblocking(false)?;
     stream.set_write_timeout(Some(CLIENT_DEADLINE))?;
     // Only root: the socket's mode says so already; the peer's credentials say it again.
@@ -365,15 +365,11 @@ fn set_write_deadline(stream: &impl AsFd, left: Duration) -> io::Result<()> {
 }
 
 /// True if `a` equals `b`, in time that does not depend on where they differ.
-pub(super) fn same_secret(a: &[u8], b: &[u8]) -> bool {
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-pub(super) fn answer_http(
-    mut stream: TcpStream,
-    status: &Status,
-    token: Option<&str>,
-) -> io::Result<()> {
+fn answer_http(mut stream: TcpStream, status: &Status, token: Option<&str>) -> io::Result<()> {
     let deadline = std::time::Instant::now() + CLIENT_DEADLINE;
     stream.set_nonblocking(false)?;
     stream.set_write_timeout(Some(CLIENT_DEADLINE))?;
