@@ -118,6 +118,106 @@ mod tests {
         }
     }
 
+    /// The crate paths a source file uses, each as its first two segments (`layer::module`),
+    /// from `use crate::...;` trees (groups expanded) and from inline `crate::` paths. Its
+    /// unit tests (a trailing `#[cfg(test)] mod tests`) are left out: they may use anything.
+    fn modules_used(source: &str) -> Vec<String> {
+        let source = source
+            .split("#[cfg(test)]\nmod tests")
+            .next()
+            .unwrap_or(source);
+        let mut used = Vec::new();
+        let mut rest = source;
+        while let Some(at) = rest.find("crate::") {
+            let tail = &rest[at + "crate::".len()..];
+            let end = tail
+                .find(|c: char| !(c.is_alphanumeric() || "_:{}, \n*".contains(c)))
+                .unwrap_or(tail.len());
+            expand_tree("", &tail[..end], &mut used);
+            rest = &tail[end..];
+        }
+        used.retain(|p| p.matches("::").count() >= 1);
+        used.iter_mut().for_each(|p| {
+            *p = p.split("::").take(2).collect::<Vec<_>>().join("::");
+        });
+        used.sort();
+        used.dedup();
+        used
+    }
+
+    /// Expands a use tree (`a::{b::{c, d}, e}`) into its paths, each prefixed by `prefix`.
+    fn expand_tree(prefix: &str, tree: &str, out: &mut Vec<String>) {
+        let tree = tree.trim();
+        let Some(open) = tree.find('{') else {
+            let path: String = tree.chars().filter(|c| !c.is_whitespace()).collect();
+            let path = path.trim_end_matches("::").trim_end_matches(",");
+            if !path.is_empty() {
+                out.push(format!("{prefix}{path}"));
+            }
+            return;
+        };
+        let head: String = tree[..open]
+            .chars()
+            .filter(|c| !c.is_whitespace())
+            .collect();
+        let prefix = format!("{prefix}{head}");
+        let (mut depth, mut start) = (0, open + 1);
+        for (i, c) in tree.char_indices().skip(open) {
+            match c {
+                '{' => depth += 1,
+                '}' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        expand_tree(&prefix, &tree[start..i], out);
+                        return;
+                    }
+                }
+                ',' if depth == 1 => {
+                    expand_tree(&prefix, &tree[start..i], out);
+                    start = i + 1;
+                }
+                _ => {}
+            }
+        }
+    }
+
+    #[test]
+    fn no_two_modules_use_each_other() {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut uses: Vec<(String, String)> = Vec::new();
+        for (layer, _) in LAYERS {
+            for path in sources(&src.join(layer)) {
+                let relative = path.strip_prefix(&src).unwrap().with_extension("");
+                let parts: Vec<&str> = relative.iter().map(|p| p.to_str().unwrap()).collect();
+                // layer/module.rs or layer/module/...: the module is the second part.
+                let module = format!("{}::{}", parts[0], parts.get(1).copied().unwrap_or("mod"));
+                let source = fs::read_to_string(&path).unwrap();
+                for used in modules_used(&source) {
+                    if used != module && !used.ends_with("::mod") {
+                        uses.push((module.clone(), used));
+                    }
+                }
+            }
+        }
+        assert!(uses.len() > 50, "{uses:?}");
+        let cycles: Vec<String> = uses
+            .iter()
+            .filter(|(a, b)| a < b && uses.contains(&(b.clone(), a.clone())))
+            .map(|(a, b)| format!("{a} <-> {b}"))
+            .collect();
+        assert!(cycles.is_empty(), "modules that use each other: {cycles:?}");
+    }
+
+    #[test]
+    fn the_module_check_expands_use_trees() {
+        assert_eq!(
+            modules_used(
+                "use crate::{\n    engine::{dirty::{X, Y}, keys::KeySet},\n    kernel::procfs,\n};\nfn f() { crate::ebpf::tracer::load(); }\n#[cfg(test)]\nmod tests { use crate::daemon::Daemon; }"
+            ),
+            ["ebpf::tracer", "engine::dirty", "engine::keys", "kernel::procfs"]
+        );
+    }
+
     #[test]
     fn the_layer_check_sees_both_spellings() {
         assert_eq!(

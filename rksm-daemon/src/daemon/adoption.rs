@@ -54,14 +54,17 @@ impl Daemon {
             // Tracked from adoption in every mode: the copy-on-write accounting needs the
             // tracer even where the dirty source does not.
             if let Some(recorder) = &self.recorder {
-                if let Err(e) = recorder.borrow_mut().track(pid, &mut target.dirty.tracer) {
+                if let Err(e) = recorder
+                    .borrow_mut()
+                    .track(pid, &mut target.dirty_mut().tracer)
+                {
                     log::warn!("tracer cannot track pid {pid}: {e}");
                 }
             }
             if let Some(watch) = waits::installed() {
                 watch.watch(pid);
             }
-            self.targets.insert(pid, target);
+            self.targets.insert(pid, Adopted::new(target));
         }
         if short > 0 {
             self.short_of_files(short, "new process(es) not adopted");
@@ -129,7 +132,7 @@ impl Daemon {
         if let Some(recorder) = &self.recorder {
             recorder.borrow_mut().forget(pid);
         }
-        if self.domains.leave(target.domain_name(), &target.owned) {
+        if self.domains.leave(target.domain_name(), target.owned()) {
             self.scanner.forget_domain(target.domain());
         }
     }
@@ -161,7 +164,7 @@ impl Daemon {
             .targets
             .values()
             .filter(|t| t.process().has_exited())
-            .map(Target::pid)
+            .map(|t| t.pid())
             .collect();
         for pid in exited {
             log::info!("pid {pid} exited");
@@ -173,7 +176,7 @@ impl Daemon {
             .targets
             .values()
             .filter(|t| t.process().has_new_image())
-            .map(Target::pid)
+            .map(|t| t.pid())
             .collect();
         for pid in exec_d {
             log::info!("pid {pid} executed a new program; starting over with it");
@@ -240,7 +243,7 @@ impl Daemon {
             if self
                 .targets
                 .get(&id.pid)
-                .is_some_and(|t| !t.marked.is_empty())
+                .is_some_and(|t| !t.marked().is_empty())
             {
                 log::warn!(
                     "pid {}: {reason} now; what rksm marked in it stays marked, since it is not touched again",
@@ -258,7 +261,7 @@ impl Daemon {
                 procfs::printable(target.domain_name()),
                 procfs::printable(&now)
             );
-            let runs = target.marked.within(Range::new(0, u64::MAX));
+            let runs = target.marked().within(Range::new(0, u64::MAX));
             if !runs.is_empty() {
                 match self.marker.unmark(target, &runs) {
                     Ok(outcome) => self.marking_syscalls += outcome.remote_syscalls,

@@ -19,29 +19,26 @@ impl Daemon {
                     // Taking records here in ebpf mode would hide a write made since the
                     // scan from the next pass's dirty set; it joins the next window instead.
                     if !self.dirty_takes_records {
-                        recorder.borrow_mut().take(p.pid, &mut target.dirty.tracer);
+                        recorder
+                            .borrow_mut()
+                            .take(p.pid, &mut target.dirty_mut().tracer);
                     }
-                    target.dirty.tracer.close_window()
+                    target.dirty_mut().tracer.close_window()
                 }
                 None => HashSet::new(),
             };
-            let broken: Vec<u64> = written
-                .iter()
-                .copied()
-                .filter(|&page| target.merged.remove(page))
-                .collect();
+            let broken = target.break_merges(written);
             breaks += broken.len() as u64;
-            target.counters.cow_breaks += broken.len() as u64;
             let regions: HashSet<u64> = broken.iter().map(|page| page >> REGION_SHIFT).collect();
             for region in regions {
-                if target.backoff.hit(region, now) {
+                if target.backoff_mut().hit(region, now) {
                     backed_off.push((p.pid, region));
                 }
             }
             // Pages looked at this pass and found mapped to KSM frames; with the verified
             // duplicates marked (step 5), the pages a write would break.
             if let Some(merged) = report.ksm_pages.get(&p.pid) {
-                target.merged.extend(merged.iter().copied());
+                target.note_merged(merged.iter().copied());
             }
         }
         for (pid, region) in backed_off {
@@ -57,7 +54,7 @@ impl Daemon {
             return;
         };
         let (start, end) = (region << REGION_SHIFT, (region + 1) << REGION_SHIFT);
-        let runs: Vec<Run> = target.marked.within(Range::new(start, end));
+        let runs: Vec<Run> = target.marked().within(Range::new(start, end));
         log::info!("pid {pid}: merged pages in {start:#x}-{end:#x} keep breaking; backing off");
         match self.marker.unmark(target, &runs) {
             Ok(outcome) => self.marking_syscalls += outcome.remote_syscalls,
@@ -76,7 +73,7 @@ impl Daemon {
             let Some(target) = self.targets.get_mut(&pid) else {
                 continue;
             };
-            if target.merged.contains(page) && target.backoff.hit(page >> REGION_SHIFT, now) {
+            if target.is_merged(page) && target.backoff_mut().hit(page >> REGION_SHIFT, now) {
                 backed_off.push((pid, page >> REGION_SHIFT));
             }
         }
@@ -93,8 +90,9 @@ impl Daemon {
         // Contents already merged somewhere belong to that process's domain.
         for (pid, sums) in &report.ksm_checksums {
             if let Some(target) = self.targets.get_mut(pid) {
+                let (target, owned) = target.target_and_owned();
                 for &sum in sums {
-                    self.domains.claim(sum, target.domain(), &mut target.owned);
+                    self.domains.claim(sum, target.domain(), owned);
                 }
             }
         }
@@ -104,39 +102,35 @@ impl Daemon {
         // budget may hold it back for a while).
         for (pid, pages) in &report.merge_candidates {
             if let Some(target) = self.targets.get_mut(pid) {
-                target.candidates.extend(pages.iter().copied());
+                target.add_candidates(pages.iter().copied());
             }
         }
         // In pid order, so which domain first marks a content does not depend on hashing.
         for (&pid, target) in self.targets.iter_mut() {
-            if target.candidates.is_empty() {
+            if !target.has_candidates() {
                 continue;
             }
             let Some((vmas, vma_count)) = report.vmas.get(&pid) else {
                 continue;
             };
             let domain = target.domain();
-            let marked = &target.marked;
-            target.candidates.retain(|&page, _| !marked.contains(page));
-            let mut mine = Vec::with_capacity(target.candidates.len());
-            let mut pages: Vec<(u64, u64)> =
-                target.candidates.iter().map(|(&p, &s)| (p, s)).collect();
-            pages.sort_unstable();
+            let pages = target.unmarked_candidates();
+            let mut mine = Vec::with_capacity(pages.len());
             for (page, sum) in pages {
-                if target.backoff.blocks(page, now) {
+                if target.backoff().blocks(page, now) {
                     continue;
                 }
                 // Decided from this domain's own history only.
-                if self.domains.claim(sum, domain, &mut target.owned) {
+                if self.domains.claim(sum, domain, target.target_and_owned().1) {
                     mine.push(page);
                 }
             }
             // Marked verified duplicates are ksmd's to merge: a write to one breaks a merge,
             // or one about to happen.
-            target.merged.extend(mine.iter().copied());
+            target.note_merged(mine.iter().copied());
             let runs = self
                 .marker
-                .plan(pid, &target.marked, &mine, vmas, *vma_count, allow_gaps);
+                .plan(pid, target.marked(), &mine, vmas, *vma_count, allow_gaps);
             match self.marker.mark(target, &runs) {
                 Ok(outcome) => {
                     runs_marked += outcome.runs;
@@ -148,12 +142,7 @@ impl Daemon {
                 Err(RemoteError::Gone(_) | RemoteError::NewImage(_)) => {}
                 Err(e) => log::warn!("marking in pid {pid}: {e}"),
             }
-            let marked = &target.marked;
-            target.candidates.retain(|&page, _| !marked.contains(page));
-            // A first pass's candidates are marked at once: their table is not kept.
-            if target.candidates.capacity() > 4 * target.candidates.len() + 1024 {
-                target.candidates.shrink_to_fit();
-            }
+            target.settle_candidates();
         }
         for (pid, reason) in refusals {
             self.refuse_remote(pid, reason);

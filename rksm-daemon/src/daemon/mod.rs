@@ -16,7 +16,9 @@
 //! `adoption` (which processes are targets), `marking`, `undo` (merges across domains,
 //! undone), `pacing` (ksmd's sweeps), `wait` (between passes), `refusals`, `stats`.
 
+mod adopted;
 mod adoption;
+mod backoff;
 pub mod crossings;
 pub mod domains;
 mod marking;
@@ -26,6 +28,8 @@ mod stats;
 mod undo;
 mod wait;
 
+use adopted::Adopted;
+use backoff::REGION_SHIFT;
 pub use pacing::DEFAULT_KSMD_MAX_DELAY;
 use pacing::{KsmdWork, Pacing};
 use refusals::Refusals;
@@ -61,7 +65,7 @@ use crate::{
             protection::{NotOffered, Offer, WriteProtectChoice},
             DirtySource, EbpfSource, HashOnly, PagemapSource, DEFAULT_AUDIT_PASSES,
         },
-        merge::{Marker, MergePolicy, Run, REGION_SHIFT},
+        merge::{Marker, MergePolicy, Run},
         scan::{PassReport, ScanConfig, Scanner},
         target::Target,
         targets::{SelectionError, TargetSpec},
@@ -210,7 +214,7 @@ pub struct Daemon {
     /// accounting then only reads the window those takes fill.
     dirty_takes_records: bool,
     /// The targets, by pid: one record each, the only place anything about them is kept.
-    targets: BTreeMap<u32, Target>,
+    targets: BTreeMap<u32, Adopted>,
     refusals: Refusals,
     domains: Domains,
     stats: DaemonStats,
@@ -446,7 +450,7 @@ impl Daemon {
 
     /// The current targets, by pid.
     pub fn targets(&self) -> impl Iterator<Item = &Target> {
-        self.targets.values()
+        self.targets.values().map(|t| &**t)
     }
 
     /// The last pass, once there was one.
@@ -533,8 +537,12 @@ impl Daemon {
     /// skipped (traced, stopped, in a disk wait) keeps its arming and checksums: its pages
     /// could not be marked anyway, and the next pass takes it up where it was.
     fn scan(&mut self) -> PassReport {
-        let mut targets: Vec<&mut Target> =
-            self.targets.values_mut().filter(|t| !t.skipped()).collect();
+        let mut targets: Vec<&mut Target> = self
+            .targets
+            .values_mut()
+            .filter(|t| !t.skipped())
+            .map(|t| &mut **t)
+            .collect();
         self.scanner.pass_over(&mut targets, &mut |_| {})
     }
 
@@ -547,7 +555,7 @@ impl Daemon {
             self.drop_target(pid);
         }
         for (pid, why) in &report.failed {
-            if let Some(id) = self.targets.get(pid).map(Target::id) {
+            if let Some(id) = self.targets.get(pid).map(|t| t.id()) {
                 self.count_refusal(id, "unreadable", &format!("cannot read its memory: {why}"));
             }
         }
@@ -560,7 +568,7 @@ impl Daemon {
         let unprotected = self
             .targets
             .values_mut()
-            .map(|t| t.dirty.take_short_of_files())
+            .map(|t| t.dirty_mut().take_short_of_files())
             .filter(|&short| short)
             .count();
         if unprotected > 0 {
@@ -592,34 +600,24 @@ impl Daemon {
         s.regions_backed_off = self
             .targets
             .values()
-            .map(|t| t.backoff.active(s.full_scans))
+            .map(|t| t.backoff().active(s.full_scans))
             .sum();
-        s.pages_marked = self.targets.values().map(|t| t.marked.pages()).sum();
+        s.pages_marked = self.targets.values().map(|t| t.marked().pages()).sum();
         s.write_protect.clear();
         for t in self.targets.values_mut() {
             *s.write_protect
-                .entry(t.dirty.write_protect().0.to_string())
+                .entry(t.write_protect().0.to_string())
                 .or_default() += 1;
             // The daemon's totals grow by what each target's grew since the last pass.
-            let (clears, ns, races) = t.dirty.soft_dirty_clears();
-            let c = &mut t.counters;
-            s.soft_dirty_clears += clears.saturating_sub(c.soft_dirty_clears);
-            s.soft_dirty_clear_seconds += ns.saturating_sub(c.soft_dirty_clear_ns) as f64 / 1e9;
-            s.soft_dirty_clear_races += races.saturating_sub(c.soft_dirty_clear_races);
-            (
-                c.soft_dirty_clears,
-                c.soft_dirty_clear_ns,
-                c.soft_dirty_clear_races,
-            ) = (clears, ns, races);
+            let (clears, ns, races) = t.count_soft_dirty_clears();
+            s.soft_dirty_clears += clears;
+            s.soft_dirty_clear_seconds += ns as f64 / 1e9;
+            s.soft_dirty_clear_races += races;
         }
         for p in &report.processes {
             if let Some(t) = self.targets.get_mut(&p.pid) {
-                let c = &mut t.counters;
-                c.pages_volatile = p.counts.volatile_pages;
-                c.pages_hashed += p.counts.pages_hashed;
-                c.pages_skipped_clean += p.counts.pages_skipped_clean;
-                c.dirty_misses = t.dirty.misses;
-                c.pages_marked = t.marked.pages();
+                let c = &p.counts;
+                t.count_pass(c.volatile_pages, c.pages_hashed, c.pages_skipped_clean);
             }
         }
         // The kernel's counts: a pass no longer looks at every merged page to count them.
@@ -634,7 +632,7 @@ impl Daemon {
             let (mut faults, mut lost) = (0, 0);
             for t in self.targets.values_mut() {
                 let (f, l) = recorder.counters(t.pid());
-                t.counters.write_faults = f;
+                t.count_write_faults(f);
                 (faults, lost) = (faults + f, lost + l);
             }
             s.write_faults = s.write_faults.max(faults);

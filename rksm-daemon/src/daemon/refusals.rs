@@ -8,10 +8,7 @@ use std::{
 };
 
 use super::Daemon;
-use crate::{
-    engine::target::Target,
-    kernel::{process::ProcessId, remote::RemoteRefusal},
-};
+use crate::kernel::{process::ProcessId, remote::RemoteRefusal};
 
 /// Processes refused, by identity (pid and start time), so a later process that reuses a
 /// pid inherits nothing.
@@ -56,7 +53,7 @@ impl Daemon {
 
     /// Refuses target `pid` for `reason`: for good if the reason lasts, else for this pass.
     pub(super) fn refuse_remote(&mut self, pid: u32, reason: RemoteRefusal) {
-        let Some(id) = self.targets.get(&pid).map(Target::id) else {
+        let Some(id) = self.targets.get(&pid).map(|t| t.id()) else {
             return;
         };
         if reason.is_lasting() {

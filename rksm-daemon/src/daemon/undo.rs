@@ -72,8 +72,8 @@ impl Daemon {
                     && page.iter().all(|&b| b == 0)
             })
         };
-        let sum_of = |targets: &BTreeMap<u32, Target>, m: &crossings::Mapping| {
-            let info = targets.get(&m.pid)?.pages.get(m.addr)?;
+        let sum_of = |targets: &BTreeMap<u32, Adopted>, m: &crossings::Mapping| {
+            let info = targets.get(&m.pid)?.pages().get(m.addr)?;
             (info.checksum != NO_CHECKSUM).then_some(info.checksum)
         };
         let crossings: Vec<(&crossings::Crossing, Option<u64>)> = found
@@ -101,7 +101,7 @@ impl Daemon {
                     Some(sum) if !to_an_outsider => self.domains.contest(sum, m.domain),
                     _ => {
                         if let Some(target) = self.targets.get_mut(&m.pid) {
-                            target.backoff.hit(m.addr >> REGION_SHIFT, now);
+                            target.backoff_mut().hit(m.addr >> REGION_SHIFT, now);
                         }
                         if let Some(sum) = sum {
                             again_later.entry(m.pid).or_default().push((m.addr, sum));
@@ -128,21 +128,18 @@ impl Daemon {
             };
             pages.sort_unstable();
             pages.dedup();
-            for page in &pages {
-                target.merged.remove(*page);
-                target.candidates.remove(page);
+            for &page in &pages {
+                target.page_gone(page);
             }
             // Given way to an outsider: a candidate again once the back-off ends.
-            for (page, sum) in again_later.remove(&pid).unwrap_or_default() {
-                target.candidates.insert(page, sum);
-            }
+            target.add_candidates(again_later.remove(&pid).unwrap_or_default());
             // What rksm marked is unmarked; what the process marked itself is its own.
             let mut mine: Vec<Run> = Vec::new();
             let mut theirs = false;
             for run in page_runs(&pages, usize::MAX) {
                 let run = Range::new(run[0], run[run.len() - 1] + PAGE_SIZE);
-                mine.extend(target.marked.within(run));
-                theirs |= !target.marked.minus(&[run]).is_empty();
+                mine.extend(target.marked().within(run));
+                theirs |= !target.marked().minus(&[run]).is_empty();
             }
             if theirs && self.self_marked_warned.insert(target.id()) {
                 log::warn!(

@@ -11,8 +11,6 @@
 //! gap is doubled until it does not; and the budget never lets rksm's splits take a process
 //! past half of `vm.max_map_count`. Ranges marked once are remembered and not marked again.
 
-use std::collections::HashMap;
-
 use rksm_common::PAGE_SIZE;
 
 use crate::{
@@ -155,14 +153,14 @@ impl Marker {
     /// Marks `runs` mergeable inside `target`, in one stop of one thread.
     pub fn mark(&self, target: &mut Target, runs: &[Run]) -> Result<MarkOutcome, RemoteError> {
         let (outcome, done) = advise(target.process(), runs, MADV_MERGEABLE)?;
-        target.marked.union(&done);
+        target.note_marked(&done);
         Ok(outcome)
     }
 
     /// Marks `runs` unmergeable again in `target` (ksmd unmerges what it merged there).
     pub fn unmark(&self, target: &mut Target, runs: &[Run]) -> Result<MarkOutcome, RemoteError> {
         let (outcome, done) = advise(target.process(), runs, MADV_UNMERGEABLE)?;
-        target.marked.remove(&done);
+        target.note_unmarked(&done);
         Ok(outcome)
     }
 }
@@ -197,50 +195,6 @@ fn advise(
     }
     outcome.remote_syscalls = session.finish()?;
     Ok((outcome, done))
-}
-
-/// Per-region copy-on-write back-off: a 2 MiB region whose merged pages broke is not marked
-/// again for a while, and the while doubles each time it happens again.
-#[derive(Debug, Default)]
-pub struct Backoff {
-    /// Region number → (backed off until pass, length of the last back-off).
-    regions: HashMap<u64, (u64, u64)>,
-}
-
-/// Back-off regions are 2 MiB.
-pub const REGION_SHIFT: u32 = 21;
-const FIRST_BACKOFF_PASSES: u64 = 4;
-const MAX_BACKOFF_PASSES: u64 = 256;
-
-impl Backoff {
-    /// Backs `region` off from pass `now`; returns true if it was not already.
-    pub fn hit(&mut self, region: u64, now: u64) -> bool {
-        let entry = self
-            .regions
-            .entry(region)
-            .or_insert((0, FIRST_BACKOFF_PASSES / 2));
-        let fresh = entry.0 <= now;
-        if fresh {
-            entry.1 = (entry.1 * 2).min(MAX_BACKOFF_PASSES);
-            entry.0 = now + entry.1;
-        }
-        fresh
-    }
-
-    /// Whether `page` is in a region backed off at pass `now`.
-    pub fn blocks(&self, page: u64, now: u64) -> bool {
-        self.regions
-            .get(&(page >> REGION_SHIFT))
-            .is_some_and(|&(until, _)| until > now)
-    }
-
-    /// Regions backed off at pass `now`.
-    pub fn active(&self, now: u64) -> u64 {
-        self.regions
-            .values()
-            .filter(|&&(until, _)| until > now)
-            .count() as u64
-    }
 }
 
 #[cfg(test)]
@@ -292,26 +246,6 @@ mod tests {
                 .all(|&p| runs.iter().any(|r| r.start <= p && p < r.end)),
             "a page was lost"
         );
-    }
-
-    #[test]
-    fn backoff_grows_and_expires() {
-        let mut backoff = Backoff::default();
-        assert!(backoff.hit(7, 0));
-        assert!(backoff.blocks(7 << REGION_SHIFT, 3));
-        assert!(
-            !backoff.blocks(7 << REGION_SHIFT, 4),
-            "first backoff is {FIRST_BACKOFF_PASSES} passes"
-        );
-        assert!(!backoff.hit(7, 2), "already backed off");
-        assert!(backoff.hit(7, 10));
-        assert!(
-            backoff.blocks(7 << REGION_SHIFT, 17),
-            "second is twice as long"
-        );
-        assert!(!backoff.blocks(7 << REGION_SHIFT, 18));
-        assert!(!backoff.blocks(8 << REGION_SHIFT, 11), "per region");
-        assert_eq!(backoff.active(11), 1);
     }
 
     #[test]

@@ -400,10 +400,10 @@ impl PageState {
     /// Forgets every page outside `vmas` and returns them (the caller takes placed ones out
     /// of the index).
     pub fn keep_within(&mut self, vmas: &[Vma]) -> Vec<(u64, PageInfo)> {
-        self.scanned = self.scanned.clip_to(vmas);
+        self.scanned = self.scanned.clip_to(vmas.iter().map(Vma::range));
         let mut inside = RangeSet::default();
         for vma in vmas {
-            inside.insert(Range::new(vma.start, vma.end));
+            inside.insert(vma.range());
         }
         let mut gone = Vec::new();
         let mut from = 0;

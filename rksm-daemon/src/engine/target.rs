@@ -3,8 +3,10 @@
 //! A process becomes a target when it is adopted, and everything rksm learns about it from
 //! then on lives here: who it is (a pidfd, its start time and image), which merge domain it
 //! is in, its arming and tracer state, the checksums of its pages, what is marked and merged
-//! in it, the regions backed off, and its counters. The daemon owns the records and lends
-//! them to the scan and the marking for the length of a call. When a target is dropped, all
+//! in it, and its counters. The rules that tie these together (a page that changes is no
+//! longer a verified duplicate, a write to a merged page is a copy-on-write break) are its
+//! methods, so no other file touches its fields. The daemon owns the records (with its own
+//! policy for each next to it) and lends them to the scan and the marking for a call. When a target is dropped, all
 //! of it goes at once: nothing about a process outlives its record, and since the record
 //! holds a pidfd, nothing in it can ever describe a later process that reuses the pid.
 use serde::{Deserialize, Serialize};
@@ -12,13 +14,12 @@ use serde::{Deserialize, Serialize};
 use crate::{
     engine::{
         dirty::{protection::WriteProtect, DirtyState},
-        keys::{KeyMap, KeySet, PageSet},
-        merge::Backoff,
-        pages::PageState,
+        keys::{KeyMap, PageSet},
+        pages::{PageInfo, PageState},
     },
     kernel::{
         process::{Process, ProcessId},
-        ranges::RangeSet,
+        ranges::{Range, RangeSet},
     },
 };
 
@@ -59,26 +60,22 @@ pub struct Target {
     domain: u32,
     domain_name: String,
     /// Arming and tracer state: what the dirty source needs to prove pages clean.
-    pub(crate) dirty: DirtyState,
+    dirty: DirtyState,
     /// What is known of its present pages: checksums, and which are in the index.
-    pub(crate) pages: PageState,
+    pages: PageState,
     /// Ranges marked mergeable in it.
-    pub(crate) marked: RangeSet,
+    marked: RangeSet,
     /// Pages mapped to KSM frames at the last pass.
-    pub(crate) merged: PageSet,
+    merged: PageSet,
     /// Verified duplicates not yet marked, with their checksum.
-    pub(crate) candidates: KeyMap<u64>,
+    candidates: KeyMap<u64>,
     /// Duplicates found when their page was first read, with their checksum: they become
     /// candidates at the next pass if they are still in the index with company then (that
     /// is, neither they nor their class were written: the checksum gate, kept by the dirty
     /// bit instead of by hashing again).
-    pub(crate) held: Vec<(u64, u64)>,
-    /// Contents (by checksum) it has marked or has merged: its domain owns them.
-    pub(crate) owned: KeySet,
-    /// Regions whose merged pages keep breaking.
-    pub(crate) backoff: Backoff,
+    held: Vec<(u64, u64)>,
     /// Counters.
-    pub(crate) counters: TargetCounters,
+    counters: TargetCounters,
     /// Left out of this pass (a passing reason: stopped, traced for a moment).
     skipped: bool,
 }
@@ -96,8 +93,6 @@ impl Target {
             merged: PageSet::default(),
             candidates: KeyMap::default(),
             held: Vec::new(),
-            owned: KeySet::default(),
-            backoff: Backoff::default(),
             counters: TargetCounters::default(),
             skipped: false,
         }
@@ -169,5 +164,157 @@ impl Target {
     /// Starts a new pass: a target skipped last time is back in.
     pub fn refresh(&mut self) {
         self.skipped = false;
+    }
+
+    /// Its arming and tracer state.
+    pub fn dirty(&self) -> &DirtyState {
+        &self.dirty
+    }
+
+    /// Its arming and tracer state, to update.
+    pub fn dirty_mut(&mut self) -> &mut DirtyState {
+        &mut self.dirty
+    }
+
+    /// What is known of its present pages.
+    pub fn pages(&self) -> &PageState {
+        &self.pages
+    }
+
+    /// What is known of its present pages, to update. Taking a page out of it is the
+    /// caller's business with the index; what that means for the page's merge state is
+    /// [`Target::page_gone`]'s and [`Target::page_changed`]'s.
+    pub fn pages_mut(&mut self) -> &mut PageState {
+        &mut self.pages
+    }
+
+    /// Its pages, and the duplicates held for the gate, to place a batch of reads into.
+    pub fn pages_and_held(&mut self) -> (&mut PageState, &mut Vec<(u64, u64)>) {
+        (&mut self.pages, &mut self.held)
+    }
+
+    /// The duplicates held at its last pass, to put through the gate.
+    pub fn take_held(&mut self) -> Vec<(u64, u64)> {
+        std::mem::take(&mut self.held)
+    }
+
+    /// Forgets every page (the process is dropped, or its scan failed half-way and it is read
+    /// in full next time); returns them, for the index.
+    pub fn forget_pages(&mut self) -> Vec<(u64, PageInfo)> {
+        self.held.clear();
+        self.pages.clear()
+    }
+
+    /// The page at `addr` was unmapped: it is neither merged nor a candidate any more.
+    pub fn page_gone(&mut self, addr: u64) {
+        self.merged.remove(addr);
+        self.candidates.remove(&addr);
+    }
+
+    /// The page at `addr` may have changed: it is no longer a verified duplicate. (Whether a
+    /// merge broke is the tracer's to say: [`Target::break_merges`].)
+    pub fn page_changed(&mut self, addr: u64) {
+        self.candidates.remove(&addr);
+    }
+
+    /// The ranges marked mergeable in it.
+    pub fn marked(&self) -> &RangeSet {
+        &self.marked
+    }
+
+    /// `runs` were marked mergeable.
+    pub fn note_marked(&mut self, runs: &[Range]) {
+        self.marked.union(runs);
+    }
+
+    /// `runs` were marked unmergeable again.
+    pub fn note_unmarked(&mut self, runs: &[Range]) {
+        self.marked.remove(runs);
+    }
+
+    /// Whether `page` was merged (or handed to ksmd to merge) at the last pass.
+    pub fn is_merged(&self, page: u64) -> bool {
+        self.merged.contains(page)
+    }
+
+    /// `pages` are merged, or handed to ksmd to merge: a write to one breaks a merge.
+    pub fn note_merged(&mut self, pages: impl IntoIterator<Item = u64>) {
+        self.merged.extend(pages);
+    }
+
+    /// The tracer saw `written` pages written: those that were merged are no longer, and
+    /// count as copy-on-write breaks. Returns them.
+    pub fn break_merges(&mut self, written: impl IntoIterator<Item = u64>) -> Vec<u64> {
+        let broken: Vec<u64> = written
+            .into_iter()
+            .filter(|&page| self.merged.remove(page))
+            .collect();
+        self.counters.cow_breaks += broken.len() as u64;
+        broken
+    }
+
+    /// Verified duplicates found, with their checksums: candidates until they are marked,
+    /// written or unmapped.
+    pub fn add_candidates(&mut self, pages: impl IntoIterator<Item = (u64, u64)>) {
+        self.candidates.extend(pages);
+    }
+
+    /// Whether it has candidates not yet marked.
+    pub fn has_candidates(&self) -> bool {
+        !self.candidates.is_empty()
+    }
+
+    /// Its candidates not yet marked, with their checksums, in address order (those marked
+    /// meanwhile, by it or by rksm, leave).
+    pub fn unmarked_candidates(&mut self) -> Vec<(u64, u64)> {
+        let marked = &self.marked;
+        self.candidates.retain(|&page, _| !marked.contains(page));
+        let mut pages: Vec<(u64, u64)> = self.candidates.iter().map(|(&p, &s)| (p, s)).collect();
+        pages.sort_unstable();
+        pages
+    }
+
+    /// After marking: the candidates now marked leave. A first pass's many are marked at
+    /// once, so their table is not kept at its size.
+    pub fn settle_candidates(&mut self) {
+        let marked = &self.marked;
+        self.candidates.retain(|&page, _| !marked.contains(page));
+        if self.candidates.capacity() > 4 * self.candidates.len() + 1024 {
+            self.candidates.shrink_to_fit();
+        }
+    }
+
+    /// Its counters after a pass in which `volatile` of its pages changed, `hashed` were read
+    /// and `skipped_clean` proven clean.
+    pub fn count_pass(&mut self, volatile: u64, hashed: u64, skipped_clean: u64) {
+        let c = &mut self.counters;
+        c.pages_volatile = volatile;
+        c.pages_hashed += hashed;
+        c.pages_skipped_clean += skipped_clean;
+        c.dirty_misses = self.dirty.misses;
+        c.pages_marked = self.marked.pages();
+    }
+
+    /// Takes up the dirty source's soft-dirty counts; returns how much each grew since the
+    /// last call (clears, nanoseconds, races).
+    pub fn count_soft_dirty_clears(&mut self) -> (u64, u64, u64) {
+        let (clears, ns, races) = self.dirty.soft_dirty_clears();
+        let c = &mut self.counters;
+        let grown = (
+            clears.saturating_sub(c.soft_dirty_clears),
+            ns.saturating_sub(c.soft_dirty_clear_ns),
+            races.saturating_sub(c.soft_dirty_clear_races),
+        );
+        (
+            c.soft_dirty_clears,
+            c.soft_dirty_clear_ns,
+            c.soft_dirty_clear_races,
+        ) = (clears, ns, races);
+        grown
+    }
+
+    /// The tracer counted `faults` write faults in it.
+    pub fn count_write_faults(&mut self, faults: u64) {
+        self.counters.write_faults = faults;
     }
 }

@@ -148,6 +148,11 @@ pub struct Vma {
 }
 
 impl Vma {
+    /// The addresses it spans.
+    pub fn range(&self) -> Range {
+        Range::new(self.start, self.end)
+    }
+
     /// A private, anonymous, writable VMA from `start` to `end`, as the kernel would list an
     /// anonymous mmap.
     pub fn anonymous(start: u64, end: u64) -> Vma {
@@ -253,7 +258,7 @@ fn parse_mergeable_ranges(smaps: &str) -> Vec<Range> {
                 }
             }
         } else if let Some(vma) = Vma::parse(line) {
-            current = Some(Range::new(vma.start, vma.end));
+            current = Some(vma.range());
         }
     }
     ranges

@@ -7,8 +7,6 @@
 
 use rksm_common::PAGE_SIZE;
 
-use crate::kernel::procfs::Vma;
-
 /// A range of whole pages, `start..end`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Range {
@@ -131,16 +129,14 @@ impl RangeSet {
         self.0.iter().filter_map(|r| r.intersect(&within)).collect()
     }
 
-    /// The parts of the set inside some VMA.
-    pub fn clip_to(&self, vmas: &[Vma]) -> RangeSet {
+    /// The parts of the set inside one of `spans` (a process's VMAs, say).
+    pub fn clip_to(&self, spans: impl IntoIterator<Item = Range>) -> RangeSet {
+        let spans: Vec<Range> = spans.into_iter().collect();
         let mut out = RangeSet::default();
         let clipped: Vec<Range> = self
             .0
             .iter()
-            .flat_map(|r| {
-                vmas.iter()
-                    .filter_map(move |v| r.intersect(&Range::new(v.start, v.end)))
-            })
+            .flat_map(|r| spans.iter().filter_map(move |span| r.intersect(span)))
             .collect();
         out.union(&clipped);
         out
@@ -226,17 +222,14 @@ mod tests {
         let ranges = set(&[(0x1000, 0x9000)]);
         // The VMA was split in three by a mergeable run: still covered.
         let split = [
-            Vma::anonymous(0x1000, 0x3000),
-            Vma::anonymous(0x3000, 0x5000),
-            Vma::anonymous(0x5000, 0x9000),
+            Range::new(0x1000, 0x3000),
+            Range::new(0x3000, 0x5000),
+            Range::new(0x5000, 0x9000),
         ];
-        let clipped = ranges.clip_to(&split);
-        assert!(split.iter().all(|v| clipped.covers(v.start, v.end)));
+        let clipped = ranges.clip_to(split);
+        assert!(split.iter().all(|r| clipped.covers(r.start, r.end)));
         // The middle was unmapped: coverage shrinks with it, a new VMA there is not covered.
-        let mut clipped = ranges.clip_to(&[
-            Vma::anonymous(0x1000, 0x3000),
-            Vma::anonymous(0x5000, 0x9000),
-        ]);
+        let mut clipped = ranges.clip_to([Range::new(0x1000, 0x3000), Range::new(0x5000, 0x9000)]);
         assert_eq!(clipped, set(&[(0x1000, 0x3000), (0x5000, 0x9000)]));
         assert!(!clipped.covers(0x3000, 0x5000));
         clipped.remove(&[Range::new(0x6000, 0x7000)]);

@@ -264,8 +264,8 @@ impl Armed {
     /// clipped to the VMAs that exist now; a VMA unmapped and mapped again at the same place
     /// is caught by [`Armed::protect`], which then drops it so it is registered again.
     pub fn register(&mut self, vmas: &[Vma]) {
-        self.registered = self.registered.clip_to(vmas);
-        self.refused = self.refused.clip_to(vmas);
+        self.registered = self.registered.clip_to(vmas.iter().map(Vma::range));
+        self.refused = self.refused.clip_to(vmas.iter().map(Vma::range));
         for vma in vmas {
             if self.registered.covers(vma.start, vma.end) || self.refused.covers(vma.start, vma.end)
             {
@@ -283,7 +283,7 @@ impl Armed {
             });
             match registered {
                 None => return,
-                Some(Ok(_)) => self.registered.insert(Range::new(vma.start, vma.end)),
+                Some(Ok(_)) => self.registered.insert(vma.range()),
                 Some(Err(errno)) => {
                     log::debug!(
                         "pid {}: cannot arm {:#x}-{:#x}: {errno}",
@@ -291,7 +291,7 @@ impl Armed {
                         vma.start,
                         vma.end
                     );
-                    self.refused.insert(Range::new(vma.start, vma.end));
+                    self.refused.insert(vma.range());
                 }
             }
         }
@@ -302,16 +302,11 @@ impl Armed {
     /// writes neither fault nor show as written: it must be registered again and read in
     /// full. One single-page PAGEMAP_SCAN per VMA asks the kernel.
     pub fn forget_lost(&mut self, vmas: &[Vma]) {
-        self.registered = self.registered.clip_to(vmas);
-        self.refused = self.refused.clip_to(vmas);
+        self.registered = self.registered.clip_to(vmas.iter().map(Vma::range));
+        self.refused = self.refused.clip_to(vmas.iter().map(Vma::range));
         let mut lost = Vec::new();
         for vma in vmas {
-            let Some(first) = self
-                .registered
-                .within(Range::new(vma.start, vma.end))
-                .first()
-                .copied()
-            else {
+            let Some(first) = self.registered.within(vma.range()).first().copied() else {
                 continue;
             };
             // Without PM_SCAN_WP_MATCHING the probe changes nothing.
@@ -331,7 +326,7 @@ impl Armed {
                     vma.start,
                     vma.end
                 );
-                lost.push(Range::new(vma.start, vma.end));
+                lost.push(vma.range());
             }
         }
         lost.sort_unstable_by_key(|r| r.start);

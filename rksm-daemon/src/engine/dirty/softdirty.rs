@@ -225,7 +225,7 @@ impl SoftDirtyArming {
         gap: &mut dyn FnMut() -> Option<HashSet<u64>>,
     ) -> Result<Found, Stop> {
         let ranges = ranges_of(vmas);
-        let armed_before = self.armed.clip_to(vmas);
+        let armed_before = self.armed.clip_to(vmas.iter().map(Vma::range));
         if !self.cleared {
             self.clear(process, &ranges)?;
             return Ok(Found::everything());
@@ -274,7 +274,7 @@ impl SoftDirtyArming {
     ) -> Result<Found, Stop> {
         let pid = process.pid();
         let ranges = ranges_of(vmas);
-        let armed_before = self.armed.clip_to(vmas);
+        let armed_before = self.armed.clip_to(vmas.iter().map(Vma::range));
         self.unprotected.retain(|&p| armed_before.contains(p));
         if !self.cleared {
             self.clear(process, &ranges)?;
@@ -422,7 +422,7 @@ impl SoftDirtyArming {
 
 /// The ranges of `vmas`.
 fn ranges_of(vmas: &[Vma]) -> Vec<Range> {
-    vmas.iter().map(|v| Range::new(v.start, v.end)).collect()
+    vmas.iter().map(Vma::range).collect()
 }
 
 /// The 2 MiB-aligned starts of the transparent huge pages among `pages` (sorted) of `pid`,

@@ -297,8 +297,7 @@ impl Scanner {
     /// dropped, or its scan failed half-way and it is read in full next time).
     pub fn forget(&mut self, target: &mut Target) {
         let pid = target.pid();
-        let pages = target.pages.clear();
-        target.held.clear();
+        let pages = target.forget_pages();
         if let Some(index) = self.indexes.get_mut(&target.domain()) {
             for (addr, info) in pages {
                 if info.placed {
@@ -306,7 +305,7 @@ impl Scanner {
                 }
             }
         }
-        settle(&mut self.samples, target.domain(), &mut target.pages);
+        settle(&mut self.samples, target.domain(), target.pages_mut());
         self.recheck.remove(&pid);
     }
 
@@ -352,9 +351,9 @@ impl Scanner {
             match self.vmas_of(pid) {
                 Ok((vmas, total)) => {
                     let work = self.plan(target, &vmas);
-                    settle(&mut self.samples, target.domain(), &mut target.pages);
+                    settle(&mut self.samples, target.domain(), target.pages_mut());
                     // Arming it found it off limits: it is not read.
-                    if let Some(reason) = target.dirty.refused() {
+                    if let Some(reason) = target.dirty().refused() {
                         report.refused.push((pid, reason));
                         continue;
                     }
@@ -471,16 +470,16 @@ impl Scanner {
             return Err(e);
         }
         for range in scan.work.full.iter().chain(&scan.work.sampled) {
-            scan.target.pages.scanned.insert(*range);
+            scan.target.pages_mut().scanned.insert(*range);
         }
         let mut counts = scan.counts;
-        let pages = &scan.target.pages;
+        let pages = scan.target.pages();
         counts.pages_skipped_clean =
             (pages.len() + pages.sampled_len()).saturating_sub(counts.scanned_pages);
         let pid = scan.target.pid();
-        scan.target.dirty.note_misses(pid, scan.misses);
+        scan.target.dirty_mut().note_misses(pid, scan.misses);
         scan.target
-            .dirty
+            .dirty_mut()
             .note_rehash_cost(counts.work_ns, counts.pages_hashed);
         Ok(counts)
     }

@@ -60,7 +60,7 @@ impl Scanner {
             ..
         } = prepared;
         let (unseen, hold) = (&work.unseen, &work.hold);
-        let (pages, held) = (&mut target.pages, &mut target.held);
+        let (pages, held) = target.pages_and_held();
         let pid = open.pid;
         let kind = self.config.checksum;
         counts.checksum_ns += checksum_ns;

@@ -32,17 +32,16 @@ impl Scanner {
                 index.remove(PageRef { pid, addr }, info.checksum);
             }
         };
-        for (addr, info) in target.pages.keep_within(vmas) {
+        for (addr, info) in target.pages_mut().keep_within(vmas) {
             leave(addr, info);
-            target.merged.remove(addr);
-            target.candidates.remove(&addr);
+            target.page_gone(addr);
         }
         // Only pages under write protection since they were last read are vouched for.
         let trusted = match &dirty {
             DirtySet::All => RangeSet::default(),
-            DirtySet::Only { armed, .. } => armed.intersection(&target.pages.scanned),
+            DirtySet::Only { armed, .. } => armed.intersection(&target.pages().scanned),
         };
-        let vma_ranges: Vec<Range> = vmas.iter().map(|v| Range::new(v.start, v.end)).collect();
+        let vma_ranges: Vec<Range> = vmas.iter().map(Vma::range).collect();
         let full = trusted.minus(&vma_ranges);
         let mut rehash: HashSet<u64> = self
             .recheck
@@ -56,36 +55,36 @@ impl Scanner {
         }
         let mut sparse: Vec<u64> = rehash.iter().copied().collect();
         for r in trusted.as_slice() {
-            sparse.extend(target.pages.pending_in(r.start, r.end));
+            sparse.extend(target.pages().pending_in(r.start, r.end));
         }
         sparse.sort_unstable();
         sparse.dedup();
         for r in &full {
-            for (addr, info) in target.pages.pages_in(r.start, r.end) {
+            for (addr, info) in target.pages().pages_in(r.start, r.end) {
                 leave(addr, info);
-                target.candidates.remove(&addr);
+                target.page_changed(addr);
             }
-            target.pages.forget_sampled_in(r.start, r.end);
+            target.pages_mut().forget_sampled_in(r.start, r.end);
         }
         let mut sampled_before = HashMap::new();
         for &addr in &rehash {
-            if let Some(info) = target.pages.get(addr) {
+            if let Some(info) = target.pages().get(addr) {
                 leave(addr, info);
             }
-            if let Some(digest) = target.pages.sampled_digest(addr) {
+            if let Some(digest) = target.pages().sampled_digest(addr) {
                 sampled_before.insert(addr, digest);
-                target.pages.forget_sampled_in(addr, addr + PAGE_SIZE);
+                target.pages_mut().forget_sampled_in(addr, addr + PAGE_SIZE);
             }
-            target.candidates.remove(&addr);
+            target.page_changed(addr);
         }
         Work {
             full,
             sparse,
             rehash,
-            unseen: std::mem::take(&mut target.dirty.unseen),
+            unseen: std::mem::take(&mut target.dirty_mut().unseen),
             hold,
             released: 0,
-            written_bits_read: target.dirty.take_bits_read(),
+            written_bits_read: target.dirty_mut().take_bits_read(),
             sampled: Vec::new(),
             pages_sampled: 0,
             pages_only_sampled: 0,
@@ -99,7 +98,7 @@ impl Scanner {
     /// written since they were compared. Their company is marked too, as at a placement.
     /// Returns how many passed.
     pub(super) fn release_held(&mut self, target: &mut Target) -> u64 {
-        let held = std::mem::take(&mut target.held);
+        let held = target.take_held();
         let Some(index) = self.indexes.get(&target.domain()) else {
             return 0;
         };
@@ -176,13 +175,14 @@ impl Scanner {
             };
             let mut gap_start = range.start;
             for run in present.iter().chain([&Range::new(range.end, range.end)]) {
-                for (addr, _) in scan.target.pages.pages_in(gap_start, run.start) {
-                    scan.target.pages.remove(addr);
+                let pages = scan.target.pages_mut();
+                for (addr, _) in pages.pages_in(gap_start, run.start) {
+                    pages.remove(addr);
                 }
                 gap_start = run.end;
             }
             let domain = scan.target.domain();
-            settle(&mut self.samples, domain, &mut scan.target.pages);
+            settle(&mut self.samples, domain, scan.target.pages_mut());
             // The absent pages of the range count for its progress too, with its first step.
             let mut weight = range.pages() - present.iter().map(Range::pages).sum::<u64>();
             for run in &present {

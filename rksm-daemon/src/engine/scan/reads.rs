@@ -429,7 +429,7 @@ impl Scanner {
         };
         let (start, n) = (step.start, step.pages);
         let rehash = step.sparse.then_some(&work.rehash);
-        let pages = &mut target.pages;
+        let pages = target.pages_mut();
         let pid = open.pid;
         let got = open.pagemap.read(start, &mut self.entries[..n])?;
         counts.pagemap_pages += got as u64;

@@ -103,7 +103,7 @@ impl Scanner {
                 // Only memory present for the first time where writes are tracked from now on.
                 let new = !broken
                     && work.hold.covers(range.start, range.end)
-                    && target.pages.pages_in(range.start, range.end).is_empty();
+                    && target.pages().pages_in(range.start, range.end).is_empty();
                 let present = new.then(|| pagemap.present_runs(range.start, range.end));
                 let Some(Ok(present)) = present else {
                     full.push(range);
@@ -122,7 +122,7 @@ impl Scanner {
                                 break 'runs;
                             }
                         };
-                        let pages = &mut target.pages;
+                        let pages = target.pages_mut();
                         if let Err(e) =
                             batch.take_up(sampler, index, from, &entries[..got], pages, work)
                         {
@@ -155,10 +155,13 @@ impl Scanner {
             let wanted = wanted
                 .entry(target.domain())
                 .or_insert_with(|| index.take_wanted());
-            if wanted.is_empty() || target.pages.sampled_len() == 0 {
+            if wanted.is_empty() || target.pages().sampled_len() == 0 {
                 continue;
             }
-            for (addr, digest) in target.pages.take_sampled_where(|d| wanted.contains(&d)) {
+            for (addr, digest) in target
+                .pages_mut()
+                .take_sampled_where(|d| wanted.contains(&d))
+            {
                 index.unsample(digest);
                 work.sparse.push(addr);
                 // Sampled this pass: it was counted as one of a kind.

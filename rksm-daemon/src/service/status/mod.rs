@@ -181,7 +181,7 @@ impl TargetStatus {
             domain_number: target.domain(),
             write_protect: target.write_protect().0.to_string(),
             write_protect_why: target.write_protect().1.into(),
-            counters: target.counters.clone(),
+            counters: target.counters().clone(),
             ..TargetStatus::default()
         }
     }
