@@ -12,7 +12,7 @@ use rksm::{
         scan::{PageCounts, PassReport, ScanConfig, Scanner},
         target::Target,
     },
-    kernel::process::Process,
+    kernel::{process::Process, remote::Borrower},
 };
 use rksm_tests::{require_root, rksm_command, Region, TestChild, PAGE};
 
@@ -42,7 +42,7 @@ fn open(pids: &[u32]) -> Vec<Target> {
 }
 
 fn pass(scanner: &mut Scanner, targets: &mut [Target]) -> PassReport {
-    scanner.pass(targets, &mut |_| {})
+    scanner.pass(targets, &Borrower::new(), &mut |_| {})
 }
 
 fn counts_of(report: &PassReport, pid: u32) -> PageCounts {

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 use rksm::kernel::{
     process::{Process, RefusalReason, TargetError},
     reader::ProcMem,
-    remote::{self, nr, RemoteError, RemoteRefusal, RemoteSession},
+    remote::{nr, Borrower, RemoteError, RemoteRefusal, RemoteSession},
 };
 use rksm_tests::{
     blocked_syscall, fd_count, proc_status, queue_signal, require_root, vma_mergeable, wait_for,
@@ -24,6 +24,7 @@ fn asleep(pid: u32) -> bool {
 #[test]
 fn a_remote_madvise_runs_and_the_target_is_left_exactly_as_it_was() {
     require_root();
+    let borrower = Borrower::new();
     let mut child = TestChild::spawn();
     let region = child.map(64);
     child.write(region, 0, 64, 1);
@@ -32,7 +33,7 @@ fn a_remote_madvise_runs_and_the_target_is_left_exactly_as_it_was() {
     let (syscall_before, fds_before) = (blocked_syscall(pid), fd_count(pid));
     assert!(!vma_mergeable(pid, region.base));
 
-    let mut session = RemoteSession::begin(&Process::open(pid).unwrap()).unwrap();
+    let mut session = RemoteSession::begin(&borrower, &Process::open(pid).unwrap()).unwrap();
     assert_eq!(
         proc_status(pid, "State:").chars().next(),
         Some('t'),
@@ -75,6 +76,7 @@ fn a_remote_madvise_runs_and_the_target_is_left_exactly_as_it_was() {
 #[test]
 fn a_target_asleep_in_a_restartable_syscall_finishes_its_sleep() {
     require_root();
+    let borrower = Borrower::new();
     let mut child = TestChild::spawn();
     let pid = child.pid();
     let started = Instant::now();
@@ -85,7 +87,7 @@ fn a_target_asleep_in_a_restartable_syscall_finishes_its_sleep() {
         "{}",
         blocked_syscall(pid)
     );
-    let mut session = RemoteSession::begin(&Process::open(pid).unwrap()).unwrap();
+    let mut session = RemoteSession::begin(&borrower, &Process::open(pid).unwrap()).unwrap();
     for _ in 0..50 {
         assert_eq!(session.syscall(nr::GETPID, &[]).unwrap(), i64::from(pid));
     }
@@ -105,6 +107,7 @@ fn a_target_asleep_in_a_restartable_syscall_finishes_its_sleep() {
 #[test]
 fn other_threads_keep_running_while_one_is_borrowed() {
     require_root();
+    let borrower = Borrower::new();
     let mut child = TestChild::spawn();
     let counter = child.threads(3);
     let pid = child.pid();
@@ -116,7 +119,7 @@ fn other_threads_keep_running_while_one_is_borrowed() {
         let at = (counter - base) as usize;
         u64::from_ne_bytes(page[at..at + 8].try_into().unwrap())
     };
-    let mut session = RemoteSession::begin(&Process::open(pid).unwrap()).unwrap();
+    let mut session = RemoteSession::begin(&borrower, &Process::open(pid).unwrap()).unwrap();
     let before = read_counter();
     assert!(
         wait_for(Duration::from_secs(5), || read_counter() > before + 100),
@@ -134,6 +137,7 @@ fn other_threads_keep_running_while_one_is_borrowed() {
 #[test]
 fn traced_and_seccomp_targets_are_refused_and_untouched() {
     require_root();
+    let borrower = Borrower::new();
     // Traced: this test process seizes the child first, as a debugger would.
     let child = TestChild::spawn();
     let pid = child.pid();
@@ -141,7 +145,7 @@ fn traced_and_seccomp_targets_are_refused_and_untouched() {
     let before = blocked_syscall(pid);
     let tid = nix::unistd::Pid::from_raw(pid as i32);
     nix::sys::ptrace::seize(tid, nix::sys::ptrace::Options::empty()).unwrap();
-    match RemoteSession::begin(&Process::open(pid).unwrap()) {
+    match RemoteSession::begin(&borrower, &Process::open(pid).unwrap()) {
         Err(RemoteError::Refused {
             reason: RemoteRefusal::Traced,
             ..
@@ -163,7 +167,7 @@ fn traced_and_seccomp_targets_are_refused_and_untouched() {
     let pid = filtered.pid();
     assert!(asleep(pid));
     let before = blocked_syscall(pid);
-    match RemoteSession::begin(&Process::open(pid).unwrap()) {
+    match RemoteSession::begin(&borrower, &Process::open(pid).unwrap()) {
         Err(RemoteError::Refused {
             reason: RemoteRefusal::Seccomp,
             ..
@@ -181,11 +185,12 @@ fn traced_and_seccomp_targets_are_refused_and_untouched() {
 #[test]
 fn a_target_killed_while_borrowed_is_reported_gone_without_hanging() {
     require_root();
+    let borrower = Borrower::new();
     let child = TestChild::spawn();
     let pid = child.pid();
     // Once it waits for commands it has exec'd and has its vDSO.
     assert!(asleep(pid));
-    let mut session = RemoteSession::begin(&Process::open(pid).unwrap()).unwrap();
+    let mut session = RemoteSession::begin(&borrower, &Process::open(pid).unwrap()).unwrap();
     assert_eq!(session.syscall(nr::GETPID, &[]).unwrap(), i64::from(pid));
     // The kill lands in the middle of a borrow: this test's thread traces the target, and
     // the target sits in a tracing stop, as the kernel itself says.
@@ -212,7 +217,7 @@ fn a_target_killed_while_borrowed_is_reported_gone_without_hanging() {
     let me = nix::unistd::gettid().to_string();
     assert!(
         wait_for(Duration::from_secs(5), || {
-            remote::reap_lingering();
+            borrower.reap_lingering();
             std::fs::read_to_string(format!("/proc/{pid}/status"))
                 .map_or(true, |s| !s.contains(&format!("TracerPid:\t{me}\n")))
         }),
@@ -221,9 +226,9 @@ fn a_target_killed_while_borrowed_is_reported_gone_without_hanging() {
     drop(child);
 }
 
-/// Borrows `pid` once for a `getpid`.
-fn borrow_once(process: &Process) {
-    let mut session = RemoteSession::begin(process).expect("borrow");
+/// Borrows `process` once for a `getpid`.
+fn borrow_once(borrower: &Borrower, process: &Process) {
+    let mut session = RemoteSession::begin(borrower, process).expect("borrow");
     assert_eq!(
         session.syscall(nr::GETPID, &[]).unwrap(),
         i64::from(process.pid())
@@ -247,6 +252,7 @@ fn asleep_as(pid: u32, nr: i64, state: char) -> bool {
 #[test]
 fn an_event_loop_waiting_without_a_timeout_never_sees_eintr() {
     require_root();
+    let borrower = Borrower::new();
     let mut child = TestChild::spawn();
     let pid = child.pid();
     child.send("epoll 4000 -1");
@@ -258,7 +264,7 @@ fn an_event_loop_waiting_without_a_timeout_never_sees_eintr() {
             "{}",
             blocked_syscall(pid)
         );
-        borrow_once(&process);
+        borrow_once(&borrower, &process);
     }
     assert_eq!(
         child.reply(),
@@ -270,13 +276,14 @@ fn an_event_loop_waiting_without_a_timeout_never_sees_eintr() {
 #[test]
 fn an_event_loop_whose_sigterm_arrives_during_a_borrow_sees_its_eintr_and_stops() {
     require_root();
+    let borrower = Borrower::new();
     for round in 0..20 {
         let mut child = TestChild::spawn();
         let pid = child.pid();
         child.send("epollstop");
         assert!(asleep_in(pid, libc::SYS_epoll_wait));
         let process = Process::open(pid).unwrap();
-        let mut session = RemoteSession::begin(&process).expect("borrow");
+        let mut session = RemoteSession::begin(&borrower, &process).expect("borrow");
         // The signal comes while the thread is held: the kernel would have ended the wait
         // with EINTR and run the handler; so must the thread once let go.
         // SAFETY: kill with a valid pid and signal.
@@ -296,6 +303,7 @@ fn an_event_loop_whose_sigterm_arrives_during_a_borrow_sees_its_eintr_and_stops(
 #[test]
 fn a_timed_wait_a_borrow_interrupts_goes_on_for_the_time_it_had_left() {
     require_root();
+    let borrower = Borrower::new();
     let Ok(watch) = rksm::ebpf::waits::install(&mut rksm::ebpf::Object::new()) else {
         eprintln!("skipped: the wait watch does not load here");
         return;
@@ -307,10 +315,9 @@ fn a_timed_wait_a_borrow_interrupts_goes_on_for_the_time_it_had_left() {
     child.send("epoll 4000 400 longest");
     assert!(asleep_in(pid, libc::SYS_epoll_wait));
     let process = Process::open(pid).unwrap();
-    let before = remote::timed_restarts();
     for _ in 0..15 {
         assert!(asleep_in(pid, libc::SYS_epoll_wait));
-        borrow_once(&process);
+        borrow_once(&borrower, &process);
         std::thread::sleep(Duration::from_millis(150));
     }
     let reply = child.reply();
@@ -322,23 +329,27 @@ fn a_timed_wait_a_borrow_interrupts_goes_on_for_the_time_it_had_left() {
         longest < 480,
         "a wait was lengthened to {longest} ms: {reply}"
     );
-    assert!(remote::timed_restarts() >= before + 15);
+    assert!(borrower.counters().timed_restarts >= 15);
     watch.unwatch(pid);
 }
 
 #[test]
 fn an_eintr_that_cannot_be_avoided_is_counted() {
     require_root();
+    let borrower = Borrower::new();
     let mut child = TestChild::spawn();
     let pid = child.pid();
     // A wait with a timeout cannot be restarted without lengthening it: EINTR stands.
     child.send("epoll 2000 60000");
     assert!(asleep_in(pid, libc::SYS_epoll_wait));
     let process = Process::open(pid).unwrap();
-    let before = remote::eintr_risk();
-    borrow_once(&process);
+    borrow_once(&borrower, &process);
     assert_eq!(child.reply(), "epoll eintr 1");
-    assert!(remote::eintr_risk() > before, "the EINTR was not counted");
+    assert_eq!(
+        borrower.counters().eintr_risk,
+        1,
+        "the EINTR was not counted"
+    );
 }
 
 #[test]
@@ -360,9 +371,9 @@ fn queued_signals_keep_their_payload_and_order_while_the_target_is_borrowed() {
     let borrower = {
         let (done, borrows) = (done.clone(), borrows.clone());
         std::thread::spawn(move || {
-            let process = Process::open(pid).unwrap();
+            let (borrower, process) = (Borrower::new(), Process::open(pid).unwrap());
             while !done.load(SeqCst) {
-                borrow_once(&process);
+                borrow_once(&borrower, &process);
                 borrows.fetch_add(1, SeqCst);
             }
         })
@@ -394,6 +405,7 @@ fn queued_signals_keep_their_payload_and_order_while_the_target_is_borrowed() {
 #[test]
 fn a_process_in_a_vfork_wait_is_refused_without_waiting() {
     require_root();
+    let borrower = Borrower::new();
     let mut child = TestChild::spawn();
     let pid = child.pid();
     child.send("vfork 3000");
@@ -401,7 +413,7 @@ fn a_process_in_a_vfork_wait_is_refused_without_waiting() {
     // fault on the way there, which a cold binary takes: a CI run once looked then.)
     assert!(asleep_as(pid, libc::SYS_clone, 'D'));
     let started = Instant::now();
-    let refused = RemoteSession::begin(&Process::open(pid).unwrap());
+    let refused = RemoteSession::begin(&borrower, &Process::open(pid).unwrap());
     assert!(
         matches!(
             refused,
@@ -413,11 +425,14 @@ fn a_process_in_a_vfork_wait_is_refused_without_waiting() {
         "{:?}",
         refused.map(|_| ())
     );
-    assert!(started.elapsed() < remote::STOP_DEADLINE, "it waited");
+    assert!(
+        started.elapsed() < rksm::kernel::remote::STOP_DEADLINE,
+        "it waited"
+    );
     assert_eq!(child.reply(), "vforked");
     assert_eq!(proc_status(pid, "TracerPid:"), "0");
     // And once the wait is over it is borrowed as any other.
-    borrow_once(&Process::open(pid).unwrap());
+    borrow_once(&Borrower::new(), &Process::open(pid).unwrap());
 }
 
 #[test]
@@ -493,6 +508,7 @@ fn compat_program() -> std::path::PathBuf {
 #[test]
 fn a_32bit_process_is_refused_untouched() {
     require_root();
+    let borrower = Borrower::new();
     let program = compat_program();
     // Another test's fork may hold the file open for writing for a moment (ETXTBSY).
     let mut spawned = None;
@@ -508,7 +524,7 @@ fn a_32bit_process_is_refused_untouched() {
         "the 32-bit program did not start: {}",
         blocked_syscall(pid)
     );
-    let refused = RemoteSession::begin(&Process::open(pid).unwrap());
+    let refused = RemoteSession::begin(&borrower, &Process::open(pid).unwrap());
     assert!(
         matches!(
             refused,
@@ -530,6 +546,7 @@ fn a_32bit_process_is_refused_untouched() {
 #[test]
 fn a_thread_borrowed_inside_an_rseq_critical_section_aborts_it_as_the_kernel_would() {
     require_root();
+    let borrower = Borrower::new();
     let mut child = TestChild::spawn();
     // Its answer proves it runs its own program (the exec is done).
     let pid = child.pid_from_proc();
@@ -542,11 +559,10 @@ fn a_thread_borrowed_inside_an_rseq_critical_section_aborts_it_as_the_kernel_wou
             == "3"),
         "the workers did not start"
     );
-    let before = remote::rseq_aborts();
     let started = Instant::now();
     let mut borrows = 0;
     while started.elapsed() < Duration::from_secs(4) {
-        match RemoteSession::begin(&process) {
+        match RemoteSession::begin(&borrower, &process) {
             Ok(mut session) => {
                 assert_eq!(session.syscall(nr::GETPID, &[]).unwrap(), i64::from(pid));
                 session.finish().unwrap();
@@ -564,7 +580,7 @@ fn a_thread_borrowed_inside_an_rseq_critical_section_aborts_it_as_the_kernel_wou
         "counter vs commits after {borrows} borrows: an update was lost ({reply})"
     );
     assert!(
-        remote::rseq_aborts() > before,
+        borrower.counters().rseq_aborts > 0,
         "no borrow of {borrows} stopped a thread inside a section: the test proves nothing"
     );
 }
@@ -630,12 +646,13 @@ fn rksm_is_out_of_the_oom_killers_reach_only_while_it_holds_a_thread() {
         }
         drop_sys_resource_in_this_thread();
         assert_eq!(rksm::kernel::oom::init().unwrap(), -1000);
+        let borrower = Borrower::new();
         assert!(
             wait_for(Duration::from_secs(10), || oom_score_adj() == 0),
             "rksm runs as an ordinary OOM candidate: {}",
             oom_score_adj()
         );
-        let mut session = RemoteSession::begin(&Process::open(pid).unwrap()).unwrap();
+        let mut session = RemoteSession::begin(&borrower, &Process::open(pid).unwrap()).unwrap();
         assert_eq!(oom_score_adj(), -1000, "not shielded while it holds a thread");
         assert_eq!(session.syscall(nr::GETPID, &[]).unwrap(), i64::from(pid));
         session.finish().unwrap();

@@ -18,7 +18,7 @@ use rksm::{
         protection::{Offer, WriteProtectChoice},
         DirtySet, DirtySource, DirtyState, EbpfSource, DEFAULT_AUDIT_PASSES,
     },
-    kernel::{process::Process, procfs},
+    kernel::{process::Process, procfs, remote::Borrower},
     tools::trace::TraceSession,
 };
 use rksm_tests::{require_root, rksm_command, Region, TestChild, PAGE};
@@ -332,7 +332,7 @@ fn a_full_tracked_map_refuses_more_and_the_ebpf_source_hashes_those_in_full() {
         // Untracked writes would go unseen: nothing of this process may count as clean.
         assert_eq!(
             source
-                .dirty_pages(&process, &mut extra_state, &vmas)
+                .dirty_pages(&process, &mut extra_state, &vmas, &Borrower::new())
                 .unwrap(),
             DirtySet::All,
             "pass {pass}"

@@ -7,7 +7,7 @@ use std::process::{Command, Stdio};
 use criterion::{criterion_group, criterion_main, Criterion};
 use rksm::kernel::{
     process::Process,
-    remote::{nr, RemoteSession},
+    remote::{nr, Borrower, RemoteSession},
 };
 
 fn borrow(c: &mut Criterion) {
@@ -25,15 +25,16 @@ fn borrow(c: &mut Criterion) {
         std::thread::yield_now();
     }
     let process = Process::open(pid).expect("open the sleeper");
+    let borrower = Borrower::new();
     let mut group = c.benchmark_group("borrow");
     group.bench_function("begin_getpid_finish", |b| {
         b.iter(|| {
-            let mut session = RemoteSession::begin(&process).unwrap();
+            let mut session = RemoteSession::begin(&borrower, &process).unwrap();
             session.syscall(nr::GETPID, &[]).unwrap();
             session.finish().unwrap()
         })
     });
-    let mut session = RemoteSession::begin(&process).unwrap();
+    let mut session = RemoteSession::begin(&borrower, &process).unwrap();
     group.bench_function("one_more_call", |b| {
         b.iter(|| session.syscall(nr::GETPID, &[]).unwrap())
     });

@@ -29,7 +29,7 @@ use rksm::{
         scan::{ScanConfig, Scanner},
         target::Target as ScanTarget,
     },
-    kernel::process::Process,
+    kernel::{process::Process, remote::Borrower},
 };
 
 /// Counts live heap bytes, to measure what the scanner keeps per page.
@@ -236,8 +236,8 @@ fn main() {
                     Box::new(HashOnly),
                 )
                 .expect("scanner");
-                let first = scanner.pass(&mut process, &mut |_| {});
-                let second = scanner.pass(&mut process, &mut |_| {});
+                let first = scanner.pass(&mut process, &Borrower::new(), &mut |_| {});
+                let second = scanner.pass(&mut process, &Borrower::new(), &mut |_| {});
                 assert!(
                     second.total.unique_pages >= (bytes / PAGE) as u64,
                     "pages missing: {:?}",

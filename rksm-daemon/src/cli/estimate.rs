@@ -13,7 +13,7 @@ use rksm::{
         scan::{PageCounts, PassReport, Progress, ScanConfig, Scanner},
         target::Target,
     },
-    kernel::procfs::printable,
+    kernel::{procfs::printable, remote::Borrower},
     service::config::Seconds,
 };
 use serde_json::{json, Value};
@@ -82,7 +82,8 @@ pub fn run(args: EstimateArgs) -> anyhow::Result<()> {
                 );
             }
         };
-        report = scanner.pass(&mut targets, &mut bar);
+        // A hash-only scan arms nothing, so it borrows no thread.
+        report = scanner.pass(&mut targets, &Borrower::new(), &mut bar);
         if show_progress {
             eprint!("\r\x1b[K");
         }

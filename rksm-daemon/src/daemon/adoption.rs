@@ -263,7 +263,7 @@ impl Daemon {
             );
             let runs = target.marked().within(Range::new(0, u64::MAX));
             if !runs.is_empty() {
-                match self.marker.unmark(target, &runs) {
+                match self.marker.unmark(&self.borrower, target, &runs) {
                     Ok(outcome) => self.marking_syscalls += outcome.remote_syscalls,
                     Err(e) => log::warn!("pid {pid}: unmarking after a domain change: {e}"),
                 }

@@ -56,7 +56,7 @@ impl Daemon {
         let (start, end) = (region << REGION_SHIFT, (region + 1) << REGION_SHIFT);
         let runs: Vec<Run> = target.marked().within(Range::new(start, end));
         log::info!("pid {pid}: merged pages in {start:#x}-{end:#x} keep breaking; backing off");
-        match self.marker.unmark(target, &runs) {
+        match self.marker.unmark(&self.borrower, target, &runs) {
             Ok(outcome) => self.marking_syscalls += outcome.remote_syscalls,
             Err(e) => log::warn!("pid {pid}: unmarking a backed-off region: {e}"),
         }
@@ -131,7 +131,7 @@ impl Daemon {
             let runs = self
                 .marker
                 .plan(pid, target.marked(), &mine, vmas, *vma_count, allow_gaps);
-            match self.marker.mark(target, &runs) {
+            match self.marker.mark(&self.borrower, target, &runs) {
                 Ok(outcome) => {
                     runs_marked += outcome.runs;
                     pages_marked += outcome.pages;

@@ -77,7 +77,7 @@ use crate::{
         procfs::{self, ProcfsError},
         ranges::{page_runs, Range},
         reader::ProcMem,
-        remote::{self, RemoteError},
+        remote::{self, Borrower, RemoteError},
     },
 };
 
@@ -239,9 +239,10 @@ pub struct Daemon {
     marks: Option<MarkWatch>,
     /// A selection by name alone was found to span several users, and said so.
     warned_name_only: bool,
-    /// The borrows' process-wide counters, and the guard's handovers, when the daemon
-    /// started: its own are the difference.
-    borrows_at_start: remote::BorrowCounters,
+    /// Every thread the daemon borrows (to arm and to mark) is borrowed from here: it counts
+    /// the borrows, and keeps the threads given up until they can be let go.
+    borrower: Borrower,
+    /// The guard's handovers when the daemon started: its own are the difference.
     handovers_at_start: u64,
     /// When ksmd sweeps and when it rests.
     ksmd_pacing: Pacing,
@@ -405,7 +406,7 @@ impl Daemon {
                 ..DaemonStats::default()
             },
             marking_syscalls: 0,
-            borrows_at_start: remote::BorrowCounters::now(),
+            borrower: Borrower::new(),
             handovers_at_start: guard::installed().map_or(0, |g| g.given_up()),
             stopping: false,
             outsiders_seen: HashSet::new(),
@@ -543,7 +544,8 @@ impl Daemon {
             .filter(|t| !t.skipped())
             .map(|t| &mut **t)
             .collect();
-        self.scanner.pass_over(&mut targets, &mut |_| {})
+        self.scanner
+            .pass_over(&mut targets, &self.borrower, &mut |_| {})
     }
 
     /// Step 3: targets that exited during the scan are dropped; unreadable ones counted. One
@@ -590,7 +592,7 @@ impl Daemon {
         s.pages_only_sampled += report.total.pages_only_sampled;
         s.checksum_ns += report.total.checksum_ns;
         s.remote_syscalls = self.marking_syscalls + self.scanner.dirty_remote_syscalls();
-        let borrowing = remote::BorrowCounters::now().since(self.borrows_at_start);
+        let borrowing = self.borrower.counters();
         s.eintr_risk = borrowing.eintr_risk;
         s.borrows = borrowing.borrows;
         s.rseq_aborts = borrowing.rseq_aborts;
@@ -646,10 +648,10 @@ impl Daemon {
         // Threads given up for missing a deadline are let go only by rksm: wait for them,
         // bounded, before leaving (the kernel would let them go as they are).
         let deadline = Instant::now() + LINGER_AT_EXIT;
-        while remote::reap_lingering() > 0 && Instant::now() < deadline {
+        while self.borrower.reap_lingering() > 0 && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(10));
         }
-        match remote::reap_lingering() {
+        match self.borrower.reap_lingering() {
             0 => {}
             n => log::error!(
                 "{n} borrowed thread(s) did not stop within {LINGER_AT_EXIT:?} of stopping: they resume as the kernel leaves them when rksm exits"

@@ -146,7 +146,7 @@ impl Daemon {
                     "pid {pid} marks its own memory mergeable, and some of it was merged across merge domains; rksm does not undo a process's own marks"
                 );
             }
-            match self.marker.unmark(target, &mine) {
+            match self.marker.unmark(&self.borrower, target, &mine) {
                 Ok(outcome) => {
                     self.marking_syscalls += outcome.remote_syscalls;
                     self.stats.cross_domain_unmarked += outcome.pages;

@@ -36,7 +36,7 @@ impl Daemon {
             // A thread given up for not stopping in time is let go as soon as it stops: look
             // every 10 ms while there is one. Otherwise nothing needs the daemon before the
             // deadline but the fds polled.
-            let step = if remote::reap_lingering() > 0 {
+            let step = if self.borrower.reap_lingering() > 0 {
                 step.min(Duration::from_millis(10))
             } else {
                 step

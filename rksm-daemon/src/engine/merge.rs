@@ -19,7 +19,7 @@ use crate::{
         process::Process,
         procfs::Vma,
         ranges::{Range, RangeSet},
-        remote::{nr, RemoteError, RemoteSession},
+        remote::{nr, Borrower, RemoteError, RemoteSession},
     },
 };
 
@@ -151,15 +151,25 @@ impl Marker {
     }
 
     /// Marks `runs` mergeable inside `target`, in one stop of one thread.
-    pub fn mark(&self, target: &mut Target, runs: &[Run]) -> Result<MarkOutcome, RemoteError> {
-        let (outcome, done) = advise(target.process(), runs, MADV_MERGEABLE)?;
+    pub fn mark(
+        &self,
+        borrower: &Borrower,
+        target: &mut Target,
+        runs: &[Run],
+    ) -> Result<MarkOutcome, RemoteError> {
+        let (outcome, done) = advise(borrower, target.process(), runs, MADV_MERGEABLE)?;
         target.note_marked(&done);
         Ok(outcome)
     }
 
     /// Marks `runs` unmergeable again in `target` (ksmd unmerges what it merged there).
-    pub fn unmark(&self, target: &mut Target, runs: &[Run]) -> Result<MarkOutcome, RemoteError> {
-        let (outcome, done) = advise(target.process(), runs, MADV_UNMERGEABLE)?;
+    pub fn unmark(
+        &self,
+        borrower: &Borrower,
+        target: &mut Target,
+        runs: &[Run],
+    ) -> Result<MarkOutcome, RemoteError> {
+        let (outcome, done) = advise(borrower, target.process(), runs, MADV_UNMERGEABLE)?;
         target.note_unmarked(&done);
         Ok(outcome)
     }
@@ -167,6 +177,7 @@ impl Marker {
 
 /// `madvise(advice)` over each run inside `process`; returns what the kernel accepted.
 fn advise(
+    borrower: &Borrower,
     process: &Process,
     runs: &[Run],
     advice: u64,
@@ -175,7 +186,7 @@ fn advise(
     if runs.is_empty() {
         return Ok((outcome, Vec::new()));
     }
-    let mut session = RemoteSession::begin(process)?;
+    let mut session = RemoteSession::begin(borrower, process)?;
     let mut done = Vec::with_capacity(runs.len());
     for run in runs {
         let result = session.syscall(nr::MADVISE, &[run.start, run.end - run.start, advice])?;

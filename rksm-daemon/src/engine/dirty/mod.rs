@@ -32,7 +32,7 @@ use crate::{
         process::Process,
         procfs::{self, Vma},
         ranges::{Range, RangeSet},
-        remote::RemoteRefusal,
+        remote::{Borrower, RemoteRefusal},
         userfaultfd::Armed,
     },
 };
@@ -197,7 +197,13 @@ impl DirtyState {
 
     /// Chooses and sets up the target's write protection if it has none yet; whether it is
     /// protected now.
-    fn arm(&mut self, process: &Process, offer: &Offer, remote_syscalls: &mut u64) -> bool {
+    fn arm(
+        &mut self,
+        process: &Process,
+        offer: &Offer,
+        borrower: &Borrower,
+        remote_syscalls: &mut u64,
+    ) -> bool {
         let pid = process.pid();
         if matches!(&self.arming, Arming::Userfaultfd(armed) if armed.given_up()) {
             // The guard gave rksm's userfaultfd up for the target's own: never again.
@@ -216,7 +222,7 @@ impl DirtyState {
                 continue;
             }
             let armed = match source {
-                WriteProtect::Userfaultfd => match uffd::arm(process, remote_syscalls) {
+                WriteProtect::Userfaultfd => match uffd::arm(borrower, process, remote_syscalls) {
                     Ok(armed) => Ok(Arming::Userfaultfd(armed)),
                     Err(NotArmed::Passing) => {
                         self.failed = failed;
@@ -361,13 +367,15 @@ crate::value_enum_text!(DirtyMode => "dirty mode");
 /// Decides, per target and pass, which pages must be rehashed.
 pub trait DirtySource {
     /// The pages of `process` (within its scanned `vmas`) written since the previous call
-    /// with the same `state`. Sources that arm do it here, before the pages are read. The
+    /// with the same `state`. Sources that arm do it here (borrowing a thread from
+    /// `borrower`), before the pages are read. The
     /// first call for a target must return [`DirtySet::All`] or an empty armed set.
     fn dirty_pages(
         &mut self,
         process: &Process,
         state: &mut DirtyState,
         vmas: &[Vma],
+        borrower: &Borrower,
     ) -> Result<DirtySet, DirtyError>;
 
     /// System calls made inside targets (to arm them) so far.
@@ -386,6 +394,7 @@ impl DirtySource for HashOnly {
         _process: &Process,
         _state: &mut DirtyState,
         _vmas: &[Vma],
+        _borrower: &Borrower,
     ) -> Result<DirtySet, DirtyError> {
         Ok(DirtySet::All)
     }
@@ -470,8 +479,9 @@ impl DirtySource for PagemapSource {
         process: &Process,
         state: &mut DirtyState,
         vmas: &[Vma],
+        borrower: &Borrower,
     ) -> Result<DirtySet, DirtyError> {
-        if !state.arm(process, &self.offer, &mut self.remote_syscalls) {
+        if !state.arm(process, &self.offer, borrower, &mut self.remote_syscalls) {
             return Ok(DirtySet::All);
         }
         let found = match &mut state.arming {
@@ -547,6 +557,7 @@ impl DirtySource for EbpfSource {
         process: &Process,
         state: &mut DirtyState,
         vmas: &[Vma],
+        borrower: &Borrower,
     ) -> Result<DirtySet, DirtyError> {
         let pid = process.pid();
         let first_time = !state.tracer.tracked();
@@ -561,7 +572,7 @@ impl DirtySource for EbpfSource {
         // Writes up to now; then protect; then writes that raced with protecting.
         let before = self.recorder.borrow_mut().take(pid, &mut state.tracer);
         let carried = std::mem::take(&mut state.carried);
-        if !state.arm(process, &self.offer, &mut self.remote_syscalls) {
+        if !state.arm(process, &self.offer, borrower, &mut self.remote_syscalls) {
             return Ok(DirtySet::All);
         }
         let DirtyState {
@@ -650,7 +661,7 @@ mod tests {
         let process = Process::open(child.id()).unwrap();
         for _ in 0..3 {
             let dirty = source
-                .dirty_pages(&process, &mut DirtyState::default(), &[])
+                .dirty_pages(&process, &mut DirtyState::default(), &[], &Borrower::new())
                 .unwrap();
             assert_eq!(dirty, DirtySet::All);
         }

@@ -16,7 +16,7 @@ use crate::{
         process::Process,
         procfs::{self, Vma},
         ranges::RangeSet,
-        remote::{RemoteError, RemoteRefusal, RemoteSession},
+        remote::{Borrower, RemoteError, RemoteRefusal, RemoteSession},
         userfaultfd::{ArmError, Armed},
     },
 };
@@ -37,13 +37,17 @@ pub(crate) enum NotArmed {
 const ARMED_FILES: usize = 2;
 
 /// Creates a userfaultfd inside `process` and takes it over (one borrow).
-pub(crate) fn arm(process: &Process, remote_syscalls: &mut u64) -> Result<Armed, NotArmed> {
+pub(crate) fn arm(
+    borrower: &Borrower,
+    process: &Process,
+    remote_syscalls: &mut u64,
+) -> Result<Armed, NotArmed> {
     // The userfaultfd and the pagemap it is scanned through stay open in rksm; without room
     // for them (and for passes), the target is not borrowed for nothing.
     if !limits::room_for(process.pidfd(), ARMED_FILES + limits::PASS_RESERVE) {
         return Err(NotArmed::ShortOfFiles);
     }
-    let armed = RemoteSession::begin(process)
+    let armed = RemoteSession::begin(borrower, process)
         .map_err(ArmError::from)
         .and_then(|mut session| {
             let armed = Armed::arm(process, &mut session);

@@ -24,7 +24,7 @@ use crate::{
         procfs::{self, KpageFlags, Pagemap, PagemapEntry, ProcfsError, Vma},
         ranges::{page_runs, Range, RangeSet},
         reader::{self, ProcMem, ReaderError},
-        remote::RemoteRefusal,
+        remote::{Borrower, RemoteRefusal},
     },
 };
 
@@ -318,17 +318,20 @@ impl Scanner {
     pub fn pass(
         &mut self,
         targets: &mut [Target],
+        borrower: &Borrower,
         progress: &mut dyn FnMut(Progress),
     ) -> PassReport {
         let mut refs: Vec<&mut Target> = targets.iter_mut().collect();
-        self.pass_over(&mut refs, progress)
+        self.pass_over(&mut refs, borrower, progress)
     }
 
     /// Runs one pass over `targets` (borrowed from wherever they are kept). What is learnt
-    /// about each target (checksums, arming) goes back into its record.
+    /// about each target (checksums, arming) goes back into its record. A dirty source that
+    /// arms a target borrows one of its threads from `borrower`.
     pub fn pass_over(
         &mut self,
         targets: &mut [&mut Target],
+        borrower: &Borrower,
         progress: &mut dyn FnMut(Progress),
     ) -> PassReport {
         let started = Instant::now();
@@ -350,7 +353,7 @@ impl Scanner {
             }
             match self.vmas_of(pid) {
                 Ok((vmas, total)) => {
-                    let work = self.plan(target, &vmas);
+                    let work = self.plan(target, &vmas, borrower);
                     settle(&mut self.samples, target.domain(), target.pages_mut());
                     // Arming it found it off limits: it is not read.
                     if let Some(reason) = target.dirty().refused() {
