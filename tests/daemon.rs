@@ -65,6 +65,15 @@ fn passes_until(daemon: &mut Daemon, mut after_pass: impl FnMut() -> bool) -> bo
     false
 }
 
+/// Runs passes until `done` says so (or 60 s), stops the daemon and returns its counters;
+/// fails with `what` and the counters if `done` never said so.
+fn finish_when(mut daemon: Daemon, what: &str, done: impl FnMut() -> bool) -> DaemonStats {
+    let done = passes_until(&mut daemon, done);
+    let stats = daemon.finish();
+    assert!(done, "{what}: {stats:?}");
+    stats
+}
+
 const PAGES: u64 = 256;
 const SHARED: u64 = 128; // pages 0..128: the same content in every child
 const UNIQUE: u64 = 64; // pages 128..192: different in every child
@@ -117,21 +126,23 @@ fn merge_scenario(mode: DirtyMode) -> (DaemonStats, Vec<Vec<u64>>) {
     let fds_before: Vec<usize> = workers.iter().map(|w| fd_count(w.child.pid())).collect();
     let mut daemon = daemon_over(&regions(&workers), mode);
     let mut round = 0u64;
-    let merged = passes_until(&mut daemon, || {
-        // Writers keep changing the volatile pages while rksm works.
-        round += 1;
-        for (i, w) in workers.iter_mut().enumerate() {
-            w.child.write_unique(
-                w.region,
-                SHARED + UNIQUE,
-                PAGES - SHARED - UNIQUE,
-                100_000 * round + i as u64 * 1000,
-            );
-        }
-        shared_pages_merged(&workers)
-    });
-    let stats = daemon.finish();
-    assert!(merged, "{mode}: shared pages not merged in time: {stats:?}");
+    let stats = finish_when(
+        daemon,
+        &format!("{mode}: shared pages not merged in time"),
+        || {
+            // Writers keep changing the volatile pages while rksm works.
+            round += 1;
+            for (i, w) in workers.iter_mut().enumerate() {
+                w.child.write_unique(
+                    w.region,
+                    SHARED + UNIQUE,
+                    PAGES - SHARED - UNIQUE,
+                    100_000 * round + i as u64 * 1000,
+                );
+            }
+            shared_pages_merged(&workers)
+        },
+    );
     let merged_sets = workers
         .iter()
         .map(|w| ksm_pages(w.child.pid(), w.region, PAGES))
@@ -263,13 +274,10 @@ fn duplicates_found_at_the_first_read_are_marked_after_a_clean_pass_without_read
         }
 
         let halves = (0..32).collect::<Vec<u64>>();
-        let merged = passes_until(&mut daemon, || {
-            ksm_pages(a.pid(), ra, 64) == halves && ksm_pages(b.pid(), rb, 64) == halves
-        });
-        let stats = daemon.finish();
-        assert!(
-            merged,
-            "{mode}: the clean halves were not merged: {stats:?}"
+        finish_when(
+            daemon,
+            &format!("{mode}: the clean halves were not merged"),
+            || ksm_pages(a.pid(), ra, 64) == halves && ksm_pages(b.pid(), rb, 64) == halves,
         );
         assert!(a.verify_unique(ra, 0, 64, 500));
         assert!(b.verify_unique(rb, 0, 32, 500) && b.verify_unique(rb, 32, 32, 9000));
@@ -365,13 +373,10 @@ fn a_clean_page_only_sampled_is_read_whole_when_a_newcomer_meets_it_and_merged()
     let rn = new.map_at(64, base);
     new.write_unique(rn, 0, 32, 800);
     let all: Vec<u64> = (0..32).collect();
-    let merged = passes_until(&mut daemon, || {
-        ksm_pages(old.pid(), ro, 64) == all && ksm_pages(new.pid(), rn, 64) == all
-    });
-    let stats = daemon.finish();
-    assert!(
-        merged,
-        "the old sampled pages were not merged with the newcomer's: {stats:?}"
+    let stats = finish_when(
+        daemon,
+        "the old sampled pages were not merged with the newcomer's",
+        || ksm_pages(old.pid(), ro, 64) == all && ksm_pages(new.pid(), rn, 64) == all,
     );
     assert!(
         stats.pages_hashed >= 64 && stats.pages_hashed < 96,
@@ -403,13 +408,10 @@ fn a_written_page_that_meets_a_page_only_sampled_has_it_read_whole_and_merged() 
     // are read whole as written pages, not sampled.
     writer.write_unique(rw, 0, 64, 800);
     let all: Vec<u64> = (0..64).collect();
-    let merged = passes_until(&mut daemon, || {
-        ksm_pages(old.pid(), ro, 64) == all && ksm_pages(writer.pid(), rw, 64) == all
-    });
-    let stats = daemon.finish();
-    assert!(
-        merged,
-        "the pages only sampled were not merged with the written ones: {stats:?}"
+    let stats = finish_when(
+        daemon,
+        "the pages only sampled were not merged with the written ones",
+        || ksm_pages(old.pid(), ro, 64) == all && ksm_pages(writer.pid(), rw, 64) == all,
     );
     assert_eq!(stats.pages_sampled, 128, "nothing sampled twice: {stats:?}");
     assert!(old.verify_unique(ro, 0, 64, 800) && writer.verify_unique(rw, 0, 64, 800));
@@ -504,13 +506,11 @@ fn a_large_pass_reads_on_reader_threads_or_on_one_cpu_in_line_and_merges_the_sam
             second.duplicates, TWIN_PAGES,
             "one CPU: {one_cpu}: {second:?}"
         );
-        let merged = passes_until(&mut daemon, || {
+        finish_when(daemon, &format!("one CPU: {one_cpu}: not merged"), || {
             twins
                 .iter()
                 .all(|(c, _)| ksm_merging_pages(c.pid()) == TWIN_PAGES)
         });
-        let stats = daemon.finish();
-        assert!(merged, "one CPU: {one_cpu}: not merged: {stats:?}");
         for (mut child, region) in twins {
             assert!(child.verify_unique(region, 0, TWIN_PAGES, 31));
         }
@@ -530,12 +530,10 @@ fn a_thread_with_a_seccomp_filter_of_its_own_is_never_borrowed() {
     pair[0].0.command("seccompworker");
     let regions: Vec<(u32, Region, u64)> = pair.iter().map(|(c, r)| (c.pid(), *r, 32)).collect();
     let mut daemon = daemon_over(&regions, DirtyMode::Pagemap);
-    let merged = passes_until(&mut daemon, || {
+    let stats = finish_when(daemon, "not merged", || {
         pair.iter()
             .all(|(c, r)| ksm_pages(c.pid(), *r, 32).len() == 32)
     });
-    let stats = daemon.finish();
-    assert!(merged, "not merged: {stats:?}");
     assert!(stats.targets_refused.is_empty(), "{stats:?}");
     for (child, region) in &mut pair {
         assert!(
@@ -987,9 +985,9 @@ fn a_root_process_that_made_itself_non_dumpable_is_never_marked() {
     secretive.command("nodump");
     let regions = [(open.pid(), ra, 64), (secretive.pid(), rb, 64)];
     let mut daemon = daemon_with_domains(&regions, DirtyMode::Pagemap, DomainPolicy::Uid);
-    let merged = passes_until(&mut daemon, || ksm_pages(open.pid(), ra, 64).len() == 64);
-    let stats = daemon.finish();
-    assert!(merged, "the dumpable process was not merged");
+    let stats = finish_when(daemon, "the dumpable process was not merged", || {
+        ksm_pages(open.pid(), ra, 64).len() == 64
+    });
     assert!(!vma_mergeable(secretive.pid(), rb.base), "{stats:?}");
     assert_eq!(
         stats.targets_refused.get("non_dumpable"),
