@@ -124,7 +124,7 @@ fn shared_pages_merged(workers: &[Worker]) -> bool {
 fn merge_scenario(mode: DirtyMode) -> (DaemonStats, Vec<Vec<u64>>) {
     let mut workers = workers(3);
     let fds_before: Vec<usize> = workers.iter().map(|w| fd_count(w.child.pid())).collect();
-    let mut daemon = daemon_over(&regions(&workers), mode);
+    let daemon = daemon_over(&regions(&workers), mode);
     let mut round = 0u64;
     let stats = finish_when(
         daemon,
@@ -529,7 +529,7 @@ fn a_thread_with_a_seccomp_filter_of_its_own_is_never_borrowed() {
     // A worker that dies on madvise, running: the thread a borrow would otherwise prefer.
     pair[0].0.command("seccompworker");
     let regions: Vec<(u32, Region, u64)> = pair.iter().map(|(c, r)| (c.pid(), *r, 32)).collect();
-    let mut daemon = daemon_over(&regions, DirtyMode::Pagemap);
+    let daemon = daemon_over(&regions, DirtyMode::Pagemap);
     let stats = finish_when(daemon, "not merged", || {
         pair.iter()
             .all(|(c, r)| ksm_pages(c.pid(), *r, 32).len() == 32)
@@ -984,7 +984,7 @@ fn a_root_process_that_made_itself_non_dumpable_is_never_marked() {
     secretive.write(rb, 0, 64, 80);
     secretive.command("nodump");
     let regions = [(open.pid(), ra, 64), (secretive.pid(), rb, 64)];
-    let mut daemon = daemon_with_domains(&regions, DirtyMode::Pagemap, DomainPolicy::Uid);
+    let daemon = daemon_with_domains(&regions, DirtyMode::Pagemap, DomainPolicy::Uid);
     let stats = finish_when(daemon, "the dumpable process was not merged", || {
         ksm_pages(open.pid(), ra, 64).len() == 64
     });

@@ -8,7 +8,7 @@ use std::process::Command;
 use rksm::{
     engine::{
         checksum::ChecksumKind,
-        dirty::HashOnly,
+        dirty::{HashOnly, Lent},
         scan::{PageCounts, PassReport, ScanConfig, Scanner},
         target::Target,
     },
@@ -42,7 +42,7 @@ fn open(pids: &[u32]) -> Vec<Target> {
 }
 
 fn pass(scanner: &mut Scanner, targets: &mut [Target]) -> PassReport {
-    scanner.pass(targets, &Borrower::new(), &mut |_| {})
+    scanner.pass(targets, &mut Lent::borrower(&Borrower::new()), &mut |_| {})
 }
 
 fn counts_of(report: &PassReport, pid: u32) -> PageCounts {

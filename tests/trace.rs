@@ -1,11 +1,9 @@
 //! The write-fault tracer against real child processes and the real kernel.
 
 use std::{
-    cell::RefCell,
     collections::BTreeSet,
     io::{BufRead, BufReader},
     process::Stdio,
-    rc::Rc,
 };
 
 use rksm::{
@@ -16,7 +14,7 @@ use rksm::{
     },
     engine::dirty::{
         protection::{Offer, WriteProtectChoice},
-        DirtySet, DirtySource, DirtyState, EbpfSource, DEFAULT_AUDIT_PASSES,
+        DirtySet, DirtySource, DirtyState, EbpfSource, Lent, DEFAULT_AUDIT_PASSES,
     },
     kernel::{process::Process, procfs, remote::Borrower},
     tools::trace::TraceSession,
@@ -305,23 +303,22 @@ fn a_full_tracked_map_refuses_more_and_the_ebpf_source_hashes_those_in_full() {
         &mut Object::new(),
     )
     .unwrap();
-    let recorder = Rc::new(RefCell::new(Recorder::new(tracer)));
+    let mut recorder = Recorder::new(tracer);
     let (mut tracked_state, mut extra_state) = (DirtyState::default(), DirtyState::default());
-    let mut recorder_mut = recorder.borrow_mut();
-    recorder_mut
+    recorder
         .track(tracked.pid(), &mut tracked_state.tracer)
         .unwrap();
     assert!(
-        recorder_mut
+        recorder
             .track(extra.pid(), &mut extra_state.tracer)
             .is_err(),
         "the map holds one process"
     );
-    drop(recorder_mut);
     assert!(tracked_state.tracer.tracked() && !extra_state.tracer.tracked());
 
     let offer = Offer::probe(WriteProtectChoice::Auto);
-    let mut source = EbpfSource::new(recorder.clone(), DEFAULT_AUDIT_PASSES, offer);
+    let mut source = EbpfSource::new(DEFAULT_AUDIT_PASSES, offer);
+    let borrower = Borrower::new();
     let process = Process::open(extra.pid()).unwrap();
     let vmas: Vec<_> = procfs::read_maps(extra.pid())
         .unwrap()
@@ -330,9 +327,13 @@ fn a_full_tracked_map_refuses_more_and_the_ebpf_source_hashes_those_in_full() {
         .collect();
     for pass in 0..3 {
         // Untracked writes would go unseen: nothing of this process may count as clean.
+        let mut lent = Lent {
+            borrower: &borrower,
+            recorder: Some(&mut recorder),
+        };
         assert_eq!(
             source
-                .dirty_pages(&process, &mut extra_state, &vmas, &Borrower::new())
+                .dirty_pages(&process, &mut extra_state, &vmas, &mut lent)
                 .unwrap(),
             DirtySet::All,
             "pass {pass}"

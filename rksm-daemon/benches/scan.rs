@@ -25,7 +25,7 @@ use nix::{
 use rksm::{
     engine::{
         checksum::ChecksumKind,
-        dirty::HashOnly,
+        dirty::{HashOnly, Lent},
         scan::{ScanConfig, Scanner},
         target::Target as ScanTarget,
     },
@@ -236,8 +236,16 @@ fn main() {
                     Box::new(HashOnly),
                 )
                 .expect("scanner");
-                let first = scanner.pass(&mut process, &Borrower::new(), &mut |_| {});
-                let second = scanner.pass(&mut process, &Borrower::new(), &mut |_| {});
+                let first = scanner.pass(
+                    &mut process,
+                    &mut Lent::borrower(&Borrower::new()),
+                    &mut |_| {},
+                );
+                let second = scanner.pass(
+                    &mut process,
+                    &mut Lent::borrower(&Borrower::new()),
+                    &mut |_| {},
+                );
                 assert!(
                     second.total.unique_pages >= (bytes / PAGE) as u64,
                     "pages missing: {:?}",

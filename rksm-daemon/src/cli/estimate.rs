@@ -9,7 +9,7 @@ use clap::Args;
 use rksm::{
     engine::{
         checksum::ChecksumKind,
-        dirty::HashOnly,
+        dirty::{HashOnly, Lent},
         scan::{PageCounts, PassReport, Progress, ScanConfig, Scanner},
         target::Target,
     },
@@ -83,7 +83,11 @@ pub fn run(args: EstimateArgs) -> anyhow::Result<()> {
             }
         };
         // A hash-only scan arms nothing, so it borrows no thread.
-        report = scanner.pass(&mut targets, &Borrower::new(), &mut bar);
+        report = scanner.pass(
+            &mut targets,
+            &mut Lent::borrower(&Borrower::new()),
+            &mut bar,
+        );
         if show_progress {
             eprint!("\r\x1b[K");
         }

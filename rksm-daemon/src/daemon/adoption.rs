@@ -53,11 +53,8 @@ impl Daemon {
             let mut target = Target::adopt(process, domain, name);
             // Tracked from adoption in every mode: the copy-on-write accounting needs the
             // tracer even where the dirty source does not.
-            if let Some(recorder) = &self.recorder {
-                if let Err(e) = recorder
-                    .borrow_mut()
-                    .track(pid, &mut target.dirty_mut().tracer)
-                {
+            if let Some(recorder) = &mut self.recorder {
+                if let Err(e) = recorder.track(pid, &mut target.dirty_mut().tracer) {
                     log::warn!("tracer cannot track pid {pid}: {e}");
                 }
             }
@@ -129,8 +126,8 @@ impl Daemon {
             guard.forget(pid);
         }
         self.scanner.forget(&mut target);
-        if let Some(recorder) = &self.recorder {
-            recorder.borrow_mut().forget(pid);
+        if let Some(recorder) = &mut self.recorder {
+            recorder.forget(pid);
         }
         if self.domains.leave(target.domain_name(), target.owned()) {
             self.scanner.forget_domain(target.domain());

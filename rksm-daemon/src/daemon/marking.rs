@@ -14,14 +14,12 @@ impl Daemon {
             let Some(target) = self.targets.get_mut(&p.pid) else {
                 continue;
             };
-            let written = match &self.recorder {
+            let written = match &mut self.recorder {
                 Some(recorder) => {
                     // Taking records here in ebpf mode would hide a write made since the
                     // scan from the next pass's dirty set; it joins the next window instead.
-                    if !self.dirty_takes_records {
-                        recorder
-                            .borrow_mut()
-                            .take(p.pid, &mut target.dirty_mut().tracer);
+                    if !self.scanner.dirty_takes_records() {
+                        recorder.take(p.pid, &mut target.dirty_mut().tracer);
                     }
                     target.dirty_mut().tracer.close_window()
                 }
@@ -37,9 +35,7 @@ impl Daemon {
             }
             // Pages looked at this pass and found mapped to KSM frames; with the verified
             // duplicates marked (step 5), the pages a write would break.
-            if let Some(merged) = report.ksm_pages.get(&p.pid) {
-                target.note_merged(merged.iter().copied());
-            }
+            target.take_up_ksm_pages_found();
         }
         for (pid, region) in backed_off {
             self.unmark_region(pid, region);
@@ -84,35 +80,30 @@ impl Daemon {
 
     /// Step 5: marks the new duplicate runs of every target; returns how many runs, and
     /// pages in them, were marked.
-    pub(super) fn mark(&mut self, report: &PassReport, now: u64) -> (u64, u64) {
+    pub(super) fn mark(&mut self, now: u64) -> (u64, u64) {
         let (mut runs_marked, mut pages_marked) = (0, 0);
         let mut refusals = Vec::new();
         // Contents already merged somewhere belong to that process's domain.
-        for (pid, sums) in &report.ksm_checksums {
-            if let Some(target) = self.targets.get_mut(pid) {
-                let (target, owned) = target.target_and_owned();
-                for &sum in sums {
-                    self.domains.claim(sum, target.domain(), owned);
-                }
+        for target in self.targets.values_mut() {
+            let sums = target.take_ksm_checksums_found();
+            let (target, owned) = target.target_and_owned();
+            for sum in sums {
+                self.domains.claim(sum, target.domain(), owned);
             }
         }
         let allow_gaps = self.domains.count() <= 1;
         // A verified duplicate is found once, when it is placed; it stays a candidate until
         // it is marked, written or unmapped (a domain's claim, a back-off or the marking
         // budget may hold it back for a while).
-        for (pid, pages) in &report.merge_candidates {
-            if let Some(target) = self.targets.get_mut(pid) {
-                target.add_candidates(pages.iter().copied());
-            }
+        for target in self.targets.values_mut() {
+            target.take_up_candidates_found();
         }
         // In pid order, so which domain first marks a content does not depend on hashing.
         for (&pid, target) in self.targets.iter_mut() {
-            if !target.has_candidates() {
+            // Only what this pass scanned is marked, within the VMAs it saw.
+            if !target.has_candidates() || target.vmas_scanned().is_none() {
                 continue;
             }
-            let Some((vmas, vma_count)) = report.vmas.get(&pid) else {
-                continue;
-            };
             let domain = target.domain();
             let pages = target.unmarked_candidates();
             let mut mine = Vec::with_capacity(pages.len());
@@ -128,9 +119,12 @@ impl Daemon {
             // Marked verified duplicates are ksmd's to merge: a write to one breaks a merge,
             // or one about to happen.
             target.note_merged(mine.iter().copied());
+            let Some((vmas, vma_count)) = target.vmas_scanned() else {
+                continue;
+            };
             let runs = self
                 .marker
-                .plan(pid, target.marked(), &mine, vmas, *vma_count, allow_gaps);
+                .plan(pid, target.marked(), &mine, vmas, vma_count, allow_gaps);
             match self.marker.mark(&self.borrower, target, &runs) {
                 Ok(outcome) => {
                     runs_marked += outcome.runs;

@@ -36,11 +36,9 @@ use refusals::Refusals;
 pub use stats::{mib, unix_time, DaemonStats, PassSummary};
 
 use std::{
-    cell::RefCell,
     collections::{BTreeMap, BTreeSet, HashMap, HashSet},
     os::fd::BorrowedFd,
     path::PathBuf,
-    rc::Rc,
     time::{Duration, Instant, SystemTime},
 };
 
@@ -63,7 +61,7 @@ use crate::{
         checksum::{ChecksumKind, NO_CHECKSUM},
         dirty::{
             protection::{NotOffered, Offer, WriteProtectChoice},
-            DirtySource, EbpfSource, HashOnly, PagemapSource, DEFAULT_AUDIT_PASSES,
+            DirtySource, EbpfSource, HashOnly, Lent, PagemapSource, DEFAULT_AUDIT_PASSES,
         },
         merge::{Marker, MergePolicy, Run},
         scan::{PassReport, ScanConfig, Scanner},
@@ -209,10 +207,9 @@ pub struct Daemon {
     scanner: Scanner,
     marker: Marker,
     ksmd: KsmdOwner,
-    recorder: Option<Rc<RefCell<Recorder>>>,
-    /// The dirty source takes the tracer's records itself (ebpf mode): the copy-on-write
-    /// accounting then only reads the window those takes fill.
-    dirty_takes_records: bool,
+    /// The tracer's records, where it is loaded: the daemon drains them between passes and
+    /// lends them to the dirty source for each target's call.
+    recorder: Option<Recorder>,
     /// The targets, by pid: one record each, the only place anything about them is kept.
     targets: BTreeMap<u32, Adopted>,
     refusals: Refusals,
@@ -288,7 +285,7 @@ impl Daemon {
                 config.ksmd_sleep_millisecs,
             ),
         )?;
-        let recorder = tracer.map(|t| Rc::new(RefCell::new(Recorder::new(t))));
+        let recorder = tracer.map(Recorder::new);
         let offer = Offer::probe(config.write_protect);
         offer.check()?;
         let no_protection = |mode| DaemonError::NoWriteProtect {
@@ -300,10 +297,7 @@ impl Daemon {
             (mode @ (DirtyMode::Pagemap | DirtyMode::Ebpf), _) if !offer.any() => {
                 return Err(no_protection(mode))
             }
-            (DirtyMode::Pagemap, recorder) => (
-                DirtyMode::Pagemap,
-                Box::new(PagemapSource::new(offer, recorder.clone())),
-            ),
+            (DirtyMode::Pagemap, _) => (DirtyMode::Pagemap, Box::new(PagemapSource::new(offer))),
             (DirtyMode::Auto, _) if !offer.any() => {
                 log::info!(
                     "no dirty bit on this kernel ({}): hashing every page every pass",
@@ -311,18 +305,11 @@ impl Daemon {
                 );
                 (DirtyMode::HashOnly, Box::new(HashOnly))
             }
-            (DirtyMode::Ebpf | DirtyMode::Auto, Some(recorder)) => (
+            (DirtyMode::Ebpf | DirtyMode::Auto, Some(_)) => (
                 DirtyMode::Ebpf,
-                Box::new(EbpfSource::new(
-                    recorder.clone(),
-                    config.audit_passes,
-                    offer,
-                )),
+                Box::new(EbpfSource::new(config.audit_passes, offer)),
             ),
-            (DirtyMode::Auto, None) => (
-                DirtyMode::Pagemap,
-                Box::new(PagemapSource::new(offer, None)),
-            ),
+            (DirtyMode::Auto, None) => (DirtyMode::Pagemap, Box::new(PagemapSource::new(offer))),
             (DirtyMode::Ebpf, None) => unreachable!("a tracer that does not load is an error"),
         };
         if config.dirty == DirtyMode::Auto {
@@ -396,7 +383,6 @@ impl Daemon {
             scanner,
             ksmd,
             recorder,
-            dirty_takes_records: mode == DirtyMode::Ebpf,
             targets: BTreeMap::new(),
             refusals: Refusals::default(),
             domains: Domains::default(),
@@ -496,7 +482,7 @@ impl Daemon {
         between_scan_and_mark();
         let cow_breaks = self.account_cow_breaks(&report, now);
         self.undo_crossings();
-        let (runs_marked, pages_marked) = self.mark(&report, now);
+        let (runs_marked, pages_marked) = self.mark(now);
         // Marking many pages built and dropped their lists: give the heap back.
         if report.total.duplicate_pages >= RELEASE_AFTER_DUPLICATES {
             crate::engine::heap::give_back_freed();
@@ -544,8 +530,11 @@ impl Daemon {
             .filter(|t| !t.skipped())
             .map(|t| &mut **t)
             .collect();
-        self.scanner
-            .pass_over(&mut targets, &self.borrower, &mut |_| {})
+        let mut lent = Lent {
+            borrower: &self.borrower,
+            recorder: self.recorder.as_mut(),
+        };
+        self.scanner.pass_over(&mut targets, &mut lent, &mut |_| {})
     }
 
     /// Step 3: targets that exited during the scan are dropped; unreadable ones counted. One
@@ -630,7 +619,6 @@ impl Daemon {
         }
         // One map lookup per target: its own count, and the daemon-wide sums.
         if let Some(recorder) = &self.recorder {
-            let recorder = recorder.borrow();
             let (mut faults, mut lost) = (0, 0);
             for t in self.targets.values_mut() {
                 let (f, l) = recorder.counters(t.pid());

@@ -15,8 +15,8 @@ impl Daemon {
         // With several domains a write to a marked page is acted on at once; otherwise the
         // records wait for the next pass, and the tracer wakes the daemon only to keep its
         // ring from filling.
-        if let Some(recorder) = &self.recorder {
-            if let Err(e) = recorder.borrow_mut().wake_at_once(self.several_domains) {
+        if let Some(recorder) = &mut self.recorder {
+            if let Err(e) = recorder.wake_at_once(self.several_domains) {
                 log::debug!("the tracer's wake-up: {e}");
             }
         }
@@ -45,9 +45,7 @@ impl Daemon {
             // deadline and spin until it.
             let millis = step.as_nanos().div_ceil(1_000_000).min(i32::MAX as u128) as i32;
             let timeout = PollTimeout::try_from(millis).unwrap_or(PollTimeout::MAX);
-            let recorder = self.recorder.clone();
-            let recorder_ref = recorder.as_ref().map(|r| r.borrow());
-            let records = recorder_ref.as_ref().map(|r| r.records_fd());
+            let records = self.recorder.as_ref().map(Recorder::records_fd);
             let mut fds: Vec<PollFd<'_>> = interrupts
                 .iter()
                 .map(|&fd| PollFd::new(fd, PollFlags::POLLIN))
@@ -73,13 +71,10 @@ impl Daemon {
                     .and_then(|fd| fd.revents())
                     .is_some_and(|r| !r.is_empty());
             drop(fds);
-            drop(recorder_ref);
-            if let Some(r) = &recorder {
-                let mut r = r.borrow_mut();
+            if let Some(r) = &mut self.recorder {
                 r.drain();
                 r.log_mut().watch_fresh(self.several_domains);
                 let written = r.log_mut().take_fresh();
-                drop(r);
                 self.back_off_written_marks(written);
             }
             if ring_woke {

@@ -19,6 +19,7 @@ use crate::{
     },
     kernel::{
         process::{Process, ProcessId},
+        procfs::Vma,
         ranges::{Range, RangeSet},
     },
 };
@@ -53,6 +54,21 @@ pub struct TargetCounters {
     pub soft_dirty_clear_races: u64,
 }
 
+/// What the last pass found in a target, kept in its record for the marking that follows:
+/// the scan finds some of it while reading other targets (a duplicate's company), so it is
+/// handed to each record once the pass ends.
+#[derive(Debug, Default)]
+pub struct Finds {
+    /// Verified duplicates found, with their checksums.
+    pub candidates: Vec<(u64, u64)>,
+    /// Pages found mapped to KSM frames.
+    pub ksm_pages: Vec<u64>,
+    /// The checksums of those pages' contents.
+    pub ksm_checksums: Vec<u64>,
+    /// The VMAs it scanned, and how many VMAs it has in all; `None` if it was not scanned.
+    pub vmas: Option<(Vec<Vma>, usize)>,
+}
+
 /// Everything kept about one process.
 #[derive(Debug)]
 pub struct Target {
@@ -74,6 +90,8 @@ pub struct Target {
     /// is, neither they nor their class were written: the checksum gate, kept by the dirty
     /// bit instead of by hashing again).
     held: Vec<(u64, u64)>,
+    /// What the last pass found in it, until the marking takes it.
+    finds: Finds,
     /// Counters.
     counters: TargetCounters,
     /// Left out of this pass (a passing reason: stopped, traced for a moment).
@@ -93,6 +111,7 @@ impl Target {
             merged: PageSet::default(),
             candidates: KeyMap::default(),
             held: Vec::new(),
+            finds: Finds::default(),
             counters: TargetCounters::default(),
             skipped: false,
         }
@@ -161,9 +180,40 @@ impl Target {
         self.skipped = true;
     }
 
-    /// Starts a new pass: a target skipped last time is back in.
+    /// Starts a new pass: a target skipped last time is back in, and nothing found by an
+    /// earlier pass is left for this one's marking.
     pub fn refresh(&mut self) {
         self.skipped = false;
+        self.finds = Finds::default();
+    }
+
+    /// What this pass found in it (it replaces an earlier pass's).
+    pub fn found(&mut self, finds: Finds) {
+        self.finds = finds;
+    }
+
+    /// The pages this pass found mapped to KSM frames are merged: a write to one breaks it.
+    /// (After the writes since the last pass were counted: [`Target::break_merges`].)
+    pub fn take_up_ksm_pages_found(&mut self) {
+        let found = std::mem::take(&mut self.finds.ksm_pages);
+        self.merged.extend(found);
+    }
+
+    /// The checksums of the contents this pass found merged in it, to claim for its domain.
+    pub fn take_ksm_checksums_found(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.finds.ksm_checksums)
+    }
+
+    /// The verified duplicates this pass found become candidates, until they are marked,
+    /// written or unmapped.
+    pub fn take_up_candidates_found(&mut self) {
+        let found = std::mem::take(&mut self.finds.candidates);
+        self.candidates.extend(found);
+    }
+
+    /// The VMAs this pass scanned, and how many it has in all, if it was scanned.
+    pub fn vmas_scanned(&self) -> Option<(&[Vma], usize)> {
+        self.finds.vmas.as_ref().map(|(v, n)| (v.as_slice(), *n))
     }
 
     /// Its arming and tracer state.

@@ -10,13 +10,14 @@
 //! scanner treats a page as clean only when the source says so *and* it has a checksum from
 //! a previous pass; the index still compares contents before anything counts. What a source
 //! keeps about a target lives in the target's record ([`DirtyState`]); a source itself holds
-//! only what all targets share (the recorder, what the kernel offers, a counter).
+//! only what all targets share (what the kernel offers, a counter). The tracer's records and
+//! the borrower are the daemon's, lent for each call ([`Lent`]).
 
 pub mod protection;
 pub(crate) mod softdirty;
 pub(crate) mod uffd;
 
-use std::{cell::RefCell, collections::HashSet, rc::Rc};
+use std::collections::HashSet;
 
 use rksm_common::PAGE_SIZE;
 
@@ -367,20 +368,46 @@ crate::value_enum_text!(DirtyMode => "dirty mode");
 /// Decides, per target and pass, which pages must be rehashed.
 pub trait DirtySource {
     /// The pages of `process` (within its scanned `vmas`) written since the previous call
-    /// with the same `state`. Sources that arm do it here (borrowing a thread from
-    /// `borrower`), before the pages are read. The
+    /// with the same `state`. Sources that arm do it here (borrowing a thread from what is
+    /// `lent`), before the pages are read. The
     /// first call for a target must return [`DirtySet::All`] or an empty armed set.
     fn dirty_pages(
         &mut self,
         process: &Process,
         state: &mut DirtyState,
         vmas: &[Vma],
-        borrower: &Borrower,
+        lent: &mut Lent<'_>,
     ) -> Result<DirtySet, DirtyError>;
 
     /// System calls made inside targets (to arm them) so far.
     fn remote_syscalls(&self) -> u64 {
         0
+    }
+
+    /// Whether it takes each target's tracer records at the target's pass (so that the
+    /// daemon, counting copy-on-write breaks after the pass, must not: a write made since
+    /// belongs to the next pass's dirty set).
+    fn takes_records(&self) -> bool {
+        false
+    }
+}
+
+/// What the daemon, which owns them, lends a dirty source for one call: the borrower that
+/// arms a target borrows its thread from, and the tracer's recorder where it is loaded.
+pub struct Lent<'a> {
+    /// Where threads are borrowed from.
+    pub borrower: &'a Borrower,
+    /// The tracer's records, if the tracer is loaded.
+    pub recorder: Option<&'a mut Recorder>,
+}
+
+impl<'a> Lent<'a> {
+    /// `borrower` alone, without a tracer (one-off scans, hash-only).
+    pub fn borrower(borrower: &'a Borrower) -> Self {
+        Lent {
+            borrower,
+            recorder: None,
+        }
     }
 }
 
@@ -394,7 +421,7 @@ impl DirtySource for HashOnly {
         _process: &Process,
         _state: &mut DirtyState,
         _vmas: &[Vma],
-        _borrower: &Borrower,
+        _lent: &mut Lent<'_>,
     ) -> Result<DirtySet, DirtyError> {
         Ok(DirtySet::All)
     }
@@ -457,17 +484,15 @@ pub(crate) fn audit_slice(ranges: &RangeSet, cursor: &mut u64, passes: u32) -> V
 /// between ([`softdirty`]); it decides nothing else.
 pub struct PagemapSource {
     offer: Offer,
-    recorder: Option<Rc<RefCell<Recorder>>>,
     remote_syscalls: u64,
 }
 
 impl PagemapSource {
-    /// A source using what `offer` offers, and the tracer's records, if it is loaded, for
-    /// the gap between reading soft-dirty bits and clearing them.
-    pub fn new(offer: Offer, recorder: Option<Rc<RefCell<Recorder>>>) -> Self {
+    /// A source using what `offer` offers, and the tracer's records (lent with each call),
+    /// if it is loaded, for the gap between reading soft-dirty bits and clearing them.
+    pub fn new(offer: Offer) -> Self {
         PagemapSource {
             offer,
-            recorder,
             remote_syscalls: 0,
         }
     }
@@ -479,9 +504,14 @@ impl DirtySource for PagemapSource {
         process: &Process,
         state: &mut DirtyState,
         vmas: &[Vma],
-        borrower: &Borrower,
+        lent: &mut Lent<'_>,
     ) -> Result<DirtySet, DirtyError> {
-        if !state.arm(process, &self.offer, borrower, &mut self.remote_syscalls) {
+        if !state.arm(
+            process,
+            &self.offer,
+            lent.borrower,
+            &mut self.remote_syscalls,
+        ) {
             return Ok(DirtySet::All);
         }
         let found = match &mut state.arming {
@@ -491,10 +521,11 @@ impl DirtySource for PagemapSource {
                 return Ok(DirtySet::Only { written, armed });
             }
             Arming::SoftDirty(bits) => {
-                let (recorder, tracer, pid) = (&self.recorder, &mut state.tracer, process.pid());
+                let (recorder, tracer, pid) =
+                    (&mut lent.recorder, &mut state.tracer, process.pid());
                 let mut gap = || {
-                    let recorder = recorder.as_ref()?;
-                    let taken = recorder.borrow_mut().take(pid, tracer);
+                    let recorder = recorder.as_deref_mut()?;
+                    let taken = recorder.take(pid, tracer);
                     (tracer.tracked() && !taken.lost).then_some(taken.pages)
                 };
                 let found = bits.pagemap_pass(process, vmas, &mut gap);
@@ -531,19 +562,17 @@ pub const DEFAULT_AUDIT_PASSES: u32 = 8;
 /// protected again (`UFFDIO_WRITEPROTECT`); with soft-dirty, a clear protects everything
 /// when one is due ([`softdirty`]).
 pub struct EbpfSource {
-    recorder: Rc<RefCell<Recorder>>,
     audit_passes: u32,
     offer: Offer,
     remote_syscalls: u64,
 }
 
 impl EbpfSource {
-    /// A source over a recorder shared with the daemon (which drains it between passes),
-    /// using what `offer` offers, auditing every armed page once every `audit_passes`
-    /// passes.
-    pub fn new(recorder: Rc<RefCell<Recorder>>, audit_passes: u32, offer: Offer) -> Self {
+    /// A source over the tracer's records (lent with each call by the daemon, which drains
+    /// them between passes), using what `offer` offers, auditing every armed page once every
+    /// `audit_passes` passes.
+    pub fn new(audit_passes: u32, offer: Offer) -> Self {
         EbpfSource {
-            recorder,
             audit_passes,
             offer,
             remote_syscalls: 0,
@@ -557,11 +586,15 @@ impl DirtySource for EbpfSource {
         process: &Process,
         state: &mut DirtyState,
         vmas: &[Vma],
-        borrower: &Borrower,
+        lent: &mut Lent<'_>,
     ) -> Result<DirtySet, DirtyError> {
         let pid = process.pid();
+        // Without the tracer's records nothing is vouched for.
+        let Some(recorder) = lent.recorder.as_deref_mut() else {
+            return Ok(DirtySet::All);
+        };
         let first_time = !state.tracer.tracked();
-        if let Err(e) = self.recorder.borrow_mut().track(pid, &mut state.tracer) {
+        if let Err(e) = recorder.track(pid, &mut state.tracer) {
             log::warn!("tracer cannot track pid {pid}: {e}");
         }
         if first_time && state.exact.is_none() && procfs::holds_kvm(pid) {
@@ -570,9 +603,14 @@ impl DirtySource for EbpfSource {
             state.exact = Some(why.into());
         }
         // Writes up to now; then protect; then writes that raced with protecting.
-        let before = self.recorder.borrow_mut().take(pid, &mut state.tracer);
+        let before = recorder.take(pid, &mut state.tracer);
         let carried = std::mem::take(&mut state.carried);
-        if !state.arm(process, &self.offer, borrower, &mut self.remote_syscalls) {
+        if !state.arm(
+            process,
+            &self.offer,
+            lent.borrower,
+            &mut self.remote_syscalls,
+        ) {
             return Ok(DirtySet::All);
         }
         let DirtyState {
@@ -583,9 +621,8 @@ impl DirtySource for EbpfSource {
             ..
         } = state;
         let mut lost_after = false;
-        let recorder = &self.recorder;
         let mut after = || {
-            let late = recorder.borrow_mut().take(pid, tracer);
+            let late = recorder.take(pid, tracer);
             lost_after |= late.lost;
             late.pages
         };
@@ -645,6 +682,10 @@ impl DirtySource for EbpfSource {
     fn remote_syscalls(&self) -> u64 {
         self.remote_syscalls
     }
+
+    fn takes_records(&self) -> bool {
+        true
+    }
 }
 
 #[cfg(test)]
@@ -661,7 +702,12 @@ mod tests {
         let process = Process::open(child.id()).unwrap();
         for _ in 0..3 {
             let dirty = source
-                .dirty_pages(&process, &mut DirtyState::default(), &[], &Borrower::new())
+                .dirty_pages(
+                    &process,
+                    &mut DirtyState::default(),
+                    &[],
+                    &mut Lent::borrower(&Borrower::new()),
+                )
                 .unwrap();
             assert_eq!(dirty, DirtySet::All);
         }

@@ -12,19 +12,19 @@ use crate::{
     ebpf::sampler::{Sampler, SamplerError},
     engine::{
         checksum::{ChecksumKind, NO_CHECKSUM},
-        dirty::{DirtySet, DirtySource},
+        dirty::{DirtySet, DirtySource, Lent},
         heap,
         index::{Content, ContentSource, Index, PageRef, Placement, TopContent},
         pages::{PageInfo, PageState},
         samples::{Meets, SampleIndex},
-        target::Target,
+        target::{Finds, Target},
     },
     kernel::{
         limits,
         procfs::{self, KpageFlags, Pagemap, PagemapEntry, ProcfsError, Vma},
         ranges::{page_runs, Range, RangeSet},
         reader::{self, ProcMem, ReaderError},
-        remote::{Borrower, RemoteRefusal},
+        remote::RemoteRefusal,
     },
 };
 
@@ -314,24 +314,29 @@ impl Scanner {
         self.dirty.remote_syscalls()
     }
 
+    /// Whether its dirty source takes each target's tracer records at the target's pass.
+    pub fn dirty_takes_records(&self) -> bool {
+        self.dirty.takes_records()
+    }
+
     /// Runs one pass over `targets`.
     pub fn pass(
         &mut self,
         targets: &mut [Target],
-        borrower: &Borrower,
+        lent: &mut Lent<'_>,
         progress: &mut dyn FnMut(Progress),
     ) -> PassReport {
         let mut refs: Vec<&mut Target> = targets.iter_mut().collect();
-        self.pass_over(&mut refs, borrower, progress)
+        self.pass_over(&mut refs, lent, progress)
     }
 
     /// Runs one pass over `targets` (borrowed from wherever they are kept). What is learnt
-    /// about each target (checksums, arming) goes back into its record. A dirty source that
-    /// arms a target borrows one of its threads from `borrower`.
+    /// about each target (checksums, arming) goes back into its record. The dirty source
+    /// uses what is `lent` (the borrower to arm with, the tracer's records).
     pub fn pass_over(
         &mut self,
         targets: &mut [&mut Target],
-        borrower: &Borrower,
+        lent: &mut Lent<'_>,
         progress: &mut dyn FnMut(Progress),
     ) -> PassReport {
         let started = Instant::now();
@@ -344,6 +349,7 @@ impl Scanner {
         // anything is placed: a page is then never found equal to its own former self, and a
         // hash-only pass places every page afresh, as KSM's rebuilt unstable tree does.
         let mut plans = Vec::new();
+        let mut vmas_scanned = HashMap::new();
         for target in targets.iter_mut() {
             let pid = target.pid();
             // A zombie still has a /proc entry, with no memory: it has exited all the same.
@@ -353,14 +359,14 @@ impl Scanner {
             }
             match self.vmas_of(pid) {
                 Ok((vmas, total)) => {
-                    let work = self.plan(target, &vmas, borrower);
+                    let work = self.plan(target, &vmas, lent);
                     settle(&mut self.samples, target.domain(), target.pages_mut());
                     // Arming it found it off limits: it is not read.
                     if let Some(reason) = target.dirty().refused() {
                         report.refused.push((pid, reason));
                         continue;
                     }
-                    report.vmas.insert(pid, (vmas, total));
+                    vmas_scanned.insert(pid, (vmas, total));
                     plans.push((&mut **target, work));
                 }
                 Err(ProcessScanError::Gone) => report.exited.push(pid),
@@ -429,9 +435,20 @@ impl Scanner {
             self.recent = RecentBatches::default();
             heap::give_back_freed();
         }
-        report.ksm_checksums = std::mem::take(&mut self.ksm_checksums);
-        report.merge_candidates = std::mem::take(&mut self.merge_candidates);
-        report.ksm_pages = std::mem::take(&mut self.ksm_pages);
+        // What was found in each target goes to its record; a duplicate's company may be
+        // found in another target's scan, so only now.
+        for target in targets.iter_mut() {
+            let pid = target.pid();
+            target.found(Finds {
+                candidates: self.merge_candidates.remove(&pid).unwrap_or_default(),
+                ksm_pages: self.ksm_pages.remove(&pid).unwrap_or_default(),
+                ksm_checksums: self.ksm_checksums.remove(&pid).unwrap_or_default(),
+                vmas: vmas_scanned.remove(&pid),
+            });
+        }
+        self.merge_candidates.clear();
+        self.ksm_pages.clear();
+        self.ksm_checksums.clear();
         report.seconds = started.elapsed().as_secs_f64();
         report
     }

@@ -7,12 +7,12 @@ use super::*;
 impl Scanner {
     /// Asks the dirty source what changed in `target`, decides what to look at, and takes
     /// what may have changed out of the index.
-    pub(super) fn plan(&mut self, target: &mut Target, vmas: &[Vma], borrower: &Borrower) -> Work {
+    pub(super) fn plan(&mut self, target: &mut Target, vmas: &[Vma], lent: &mut Lent<'_>) -> Work {
         let pid = target.pid();
         let (process, state) = target.process_and_dirty();
         let dirty = self
             .dirty
-            .dirty_pages(process, state, vmas, borrower)
+            .dirty_pages(process, state, vmas, lent)
             .unwrap_or_else(|e| {
                 log::warn!("{e}; rehashing every page of pid {pid} this pass");
                 DirtySet::All

@@ -119,16 +119,6 @@ pub struct PassReport {
     pub refused: Vec<(u32, RemoteRefusal)>,
     /// Wall time of the pass.
     pub seconds: f64,
-    /// Per process, the pages whose content was verified equal to another page's, with the
-    /// pages they equal, and the content's checksum (only with
-    /// [`ScanConfig::collect_merge_candidates`]).
-    pub merge_candidates: HashMap<u32, Vec<(u64, u64)>>,
-    /// Per process, the checksums of the contents of its KSM pages.
-    pub ksm_checksums: HashMap<u32, Vec<u64>>,
-    /// Per process, the pages mapped to KSM pages.
-    pub ksm_pages: HashMap<u32, Vec<u64>>,
-    /// Per process, the VMAs scanned and how many VMAs it has in all.
-    pub vmas: HashMap<u32, (Vec<Vma>, usize)>,
 }
 
 /// Progress within a pass, for a progress bar.
