@@ -77,7 +77,7 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         .profile
         .clone()
         .unwrap_or_else(|| if args.quick { "quick" } else { "mixed" }.into());
-    let profile = Profile::load(&profile_arg).map_err(BadInput)?;
+    let profile = Profile::load(&profile_arg).map_err(|e| BadInput(e.to_string()))?;
     // Workloads are started by name or path: make a file path absolute for them.
     let profile_arg = match std::fs::canonicalize(&profile_arg) {
         Ok(path) if Profile::named(&profile_arg).is_none() => path.display().to_string(),
@@ -86,7 +86,7 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     let guest = match &args.guest_initrd {
         Some(initrd) => Some(
             rksm::tools::guest::GuestImage::new(initrd, args.guest_kernel.as_deref())
-                .map_err(BadInput)?,
+                .map_err(|e| BadInput(e.to_string()))?,
         ),
         None if profile.is_guests() => {
             return Err(BadInput(format!(
@@ -204,7 +204,7 @@ pub struct WorkloadArgs {
 }
 
 pub fn run_workload(args: WorkloadArgs) -> anyhow::Result<()> {
-    let profile = Profile::load(&args.profile).map_err(BadInput)?;
+    let profile = Profile::load(&args.profile).map_err(|e| BadInput(e.to_string()))?;
     if profile.is_guests() {
         return Err(BadInput(format!(
             "profile `{}` is made of qemu guests, which `rksm bench` starts itself",

@@ -268,7 +268,7 @@ fn serve(spec: TargetSpec, options: &Settings, child: Option<u32>) -> anyhow::Re
         .as_deref()
         .map(HttpAccess::read_token)
         .transpose()
-        .map_err(BadInput)?;
+        .map_err(|e| BadInput(e.to_string()))?;
     let mut daemon = Daemon::start(config).map_err(|e| match e {
         e @ (DaemonError::Targets(_)
         | DaemonError::SeveralDomains(_)

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use clap::{CommandFactory, Parser, Subcommand};
-use rksm::service::config::{check_log_filter, ConfigFile, LogFormat};
+use rksm::service::config::{check_log_filter, ConfigFile, LogFormat, ValueError};
 
 mod bench;
 mod daemon;
@@ -46,7 +46,7 @@ pub struct Cli {
     no_config: bool,
 }
 
-fn parse_log_filter(s: &str) -> Result<String, String> {
+fn parse_log_filter(s: &str) -> Result<String, ValueError> {
     check_log_filter(s).map(|()| s.to_string())
 }
 

@@ -250,6 +250,22 @@ fn age<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
         .map_err(D::Error::custom)
 }
 
+/// A value that a flag or a key of the configuration file does not accept.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ValueError {
+    /// Not a number of seconds within the rule's bounds.
+    #[error("{given} is not {bounds}")]
+    Seconds {
+        /// The value, as it was written.
+        given: String,
+        /// The bounds, as people say them.
+        bounds: String,
+    },
+    /// Not a log filter.
+    #[error("`{0}` is not a log level (off, error, warn, info, debug, trace, or TARGET=LEVEL, comma-separated)")]
+    LogFilter(String),
+}
+
 /// Bounds on a number of seconds: the one rule every flag and key that takes seconds follows.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Seconds {
@@ -297,20 +313,28 @@ impl Seconds {
     /// use rksm::service::config::Seconds;
     /// assert_eq!(Seconds::INTERVAL.parse("2.5"), Ok(2.5));
     /// assert_eq!(
-    ///     Seconds::INTERVAL.parse("0").unwrap_err(),
+    ///     Seconds::INTERVAL.parse("0").unwrap_err().to_string(),
     ///     "0 is not a number of seconds more than 0 and at most 86400"
     /// );
     /// assert_eq!(
-    ///     Seconds::BENCH.parse("fast").unwrap_err(),
+    ///     Seconds::BENCH.parse("fast").unwrap_err().to_string(),
     ///     "`fast` is not a number of seconds from 2 to 3600"
     /// );
     /// ```
-    pub fn check(self, value: f64) -> Result<f64, String> {
+    pub fn check(self, value: f64) -> Result<f64, ValueError> {
         let above_min = value > self.min || (self.min_ok && value == self.min);
         if value.is_finite() && above_min && value <= self.max {
             Ok(value)
         } else {
-            Err(format!("{value} is not {}", self.bounds()))
+            Err(self.refuse(value.to_string()))
+        }
+    }
+
+    /// Why `given` is refused.
+    fn refuse(self, given: String) -> ValueError {
+        ValueError::Seconds {
+            given,
+            bounds: self.bounds(),
         }
     }
 
@@ -327,10 +351,10 @@ impl Seconds {
     }
 
     /// Parses `text` as a number of seconds within bounds.
-    pub fn parse(self, text: &str) -> Result<f64, String> {
+    pub fn parse(self, text: &str) -> Result<f64, ValueError> {
         match text.parse::<f64>() {
             Ok(value) => self.check(value),
-            Err(_) => Err(format!("`{text}` is not {}", self.bounds())),
+            Err(_) => Err(self.refuse(format!("`{text}`"))),
         }
     }
 }
@@ -380,15 +404,13 @@ pub enum LogFormat {
 crate::value_enum_text!(LogFormat => "log format");
 
 /// Checks a log filter: comma-separated `LEVEL` or `TARGET=LEVEL` directives.
-pub fn check_log_filter(filter: &str) -> Result<(), String> {
+pub fn check_log_filter(filter: &str) -> Result<(), ValueError> {
     const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
     for directive in filter.split(',') {
         let level = directive.rsplit('=').next().unwrap_or("").trim();
         let target_ok = directive.split('=').count() <= 2;
         if !target_ok || !LEVELS.contains(&level.to_ascii_lowercase().as_str()) {
-            return Err(format!(
-                "`{filter}` is not a log level (off, error, warn, info, debug, trace, or TARGET=LEVEL, comma-separated)"
-            ));
+            return Err(ValueError::LogFilter(filter.into()));
         }
     }
     Ok(())

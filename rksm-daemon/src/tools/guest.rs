@@ -17,6 +17,46 @@ use std::{
     time::{Duration, Instant},
 };
 
+/// Why a guest cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum GuestError {
+    /// No kernel to boot it with.
+    #[error("no /boot/vmlinuz-* to boot guests with (install linux-image-amd64, or pass --guest-kernel)")]
+    NoKernel,
+    /// The kernel or the initramfs given is not a file.
+    #[error("guest {what} {} is not a file", .path.display())]
+    NotAFile {
+        /// Which: kernel or initramfs.
+        what: &'static str,
+        /// The path given.
+        path: PathBuf,
+    },
+    /// qemu would not start.
+    #[error(
+        "starting qemu-system-x86_64: {0} (install qemu-system-x86, or run `cargo xtask setup`)"
+    )]
+    Qemu(std::io::Error),
+    /// The guest did not say its memory was filled in time.
+    #[error("guest (qemu pid {pid}) did not start: {why}")]
+    NotReady {
+        /// qemu's pid.
+        pid: u32,
+        /// What happened instead.
+        why: ConsoleError,
+    },
+}
+
+/// Why the guest's console gave no answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum ConsoleError {
+    /// Not within the deadline.
+    #[error("timed out")]
+    TimedOut,
+    /// qemu is gone.
+    #[error("qemu exited")]
+    Exited,
+}
+
 /// What a guest boots: a kernel and the initramfs with the test `/init`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GuestImage {
@@ -28,16 +68,17 @@ pub struct GuestImage {
 
 impl GuestImage {
     /// The initramfs at `initrd` and `kernel`, or the newest `/boot/vmlinuz-*`.
-    pub fn new(initrd: &Path, kernel: Option<&Path>) -> Result<GuestImage, String> {
+    pub fn new(initrd: &Path, kernel: Option<&Path>) -> Result<GuestImage, GuestError> {
         let kernel = match kernel {
             Some(k) => k.to_path_buf(),
-            None => newest_kernel().ok_or(
-                "no /boot/vmlinuz-* to boot guests with (install linux-image-amd64, or pass --guest-kernel)",
-            )?,
+            None => newest_kernel().ok_or(GuestError::NoKernel)?,
         };
         for (what, path) in [("kernel", &kernel), ("initramfs", &initrd.to_path_buf())] {
             if !path.is_file() {
-                return Err(format!("guest {what} {} is not a file", path.display()));
+                return Err(GuestError::NotAFile {
+                    what,
+                    path: path.clone(),
+                });
             }
         }
         Ok(GuestImage {
@@ -82,7 +123,7 @@ const CHECK_DEADLINE: Duration = Duration::from_secs(120);
 
 impl GuestProcess {
     /// Starts guest `index`; [`GuestProcess::ready`] waits for it to have filled its memory.
-    pub fn start(image: &GuestImage, memory: GuestMemory, index: u32) -> Result<Self, String> {
+    pub fn start(image: &GuestImage, memory: GuestMemory, index: u32) -> Result<Self, GuestError> {
         let append = format!(
             "console=ttyS0 quiet loglevel=1 panic=-1 -- {} {} {index}",
             memory.duplicate_mib, memory.unique_mib
@@ -101,9 +142,7 @@ impl GuestProcess {
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
-            .map_err(|e| {
-                format!("starting qemu-system-x86_64: {e} (install qemu-system-x86, or run `cargo xtask setup`)")
-            })?;
+            .map_err(GuestError::Qemu)?;
         let stdin = child.stdin.take().expect("piped");
         let stdout = child.stdout.take().expect("piped");
         let (lines, console) = mpsc::channel();
@@ -124,10 +163,13 @@ impl GuestProcess {
     }
 
     /// Waits, up to `deadline`, for the guest to say its memory is filled.
-    pub fn ready(&mut self, deadline: Instant) -> Result<(), String> {
+    pub fn ready(&mut self, deadline: Instant) -> Result<(), GuestError> {
         self.expect(deadline, "ready")
             .map(drop)
-            .map_err(|e| format!("guest (qemu pid {}) did not start: {e}", self.pid()))
+            .map_err(|why| GuestError::NotReady {
+                pid: self.pid(),
+                why,
+            })
     }
 
     /// The qemu process id.
@@ -149,12 +191,12 @@ impl GuestProcess {
     }
 
     /// The rest of the next `rksm-guest: WORD...` line whose rest starts with `word`.
-    fn expect(&mut self, deadline: Instant, word: &str) -> Result<String, String> {
+    fn expect(&mut self, deadline: Instant, word: &str) -> Result<String, ConsoleError> {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             let line = self.console.recv_timeout(left).map_err(|e| match e {
-                mpsc::RecvTimeoutError::Timeout => "timed out".to_string(),
-                mpsc::RecvTimeoutError::Disconnected => "qemu exited".to_string(),
+                mpsc::RecvTimeoutError::Timeout => ConsoleError::TimedOut,
+                mpsc::RecvTimeoutError::Disconnected => ConsoleError::Exited,
             })?;
             if let Some(rest) = line
                 .split_once("rksm-guest: ")

@@ -16,6 +16,33 @@ use serde::{Deserialize, Serialize};
 use rksm_common::PAGE;
 const WORDS: usize = PAGE / 8;
 
+/// Why a profile cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ProfileError {
+    /// Neither a profile's name nor a file that can be read.
+    #[error("`{name}` is neither a profile name (quick, static, mixed, static-4g, quarter-4g, quarter-16g, alike-4g, large, guests) nor a readable file: {source}")]
+    Unknown {
+        /// What was given.
+        name: String,
+        /// Why it could not be read as a file.
+        source: std::io::Error,
+    },
+    /// A file that is not a profile's JSON.
+    #[error("{file}: {source}")]
+    Malformed {
+        /// The file.
+        file: String,
+        /// What is wrong in it.
+        source: serde_json::Error,
+    },
+    /// Fields out of their bounds.
+    #[error("{0}: processes must be at least 1 and same_value_percent at most 100")]
+    OutOfBounds(String),
+    /// A guest profile with fields guests do not have, or too little RAM.
+    #[error("{0}: a guest profile has only duplicate_mib and unique_mib, and leaves the guest kernel 64 MiB of guest_ram_mib")]
+    Guests(String),
+}
+
 /// What each workload process holds, in MiB, and how fast it writes.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -171,27 +198,29 @@ impl Profile {
     }
 
     /// The named profile, or a JSON file with every field.
-    pub fn load(name_or_file: &str) -> Result<Profile, String> {
+    pub fn load(name_or_file: &str) -> Result<Profile, ProfileError> {
         if let Some(profile) = Profile::named(name_or_file) {
             return Ok(profile);
         }
-        let text = std::fs::read_to_string(name_or_file).map_err(|e| {
-            format!("`{name_or_file}` is neither a profile name (quick, static, mixed, static-4g, quarter-4g, quarter-16g, alike-4g, large, guests) nor a readable file: {e}")
-        })?;
+        let name = || name_or_file.to_string();
+        let text =
+            std::fs::read_to_string(name_or_file).map_err(|source| ProfileError::Unknown {
+                name: name(),
+                source,
+            })?;
         let profile: Profile =
-            serde_json::from_str(&text).map_err(|e| format!("{name_or_file}: {e}"))?;
+            serde_json::from_str(&text).map_err(|source| ProfileError::Malformed {
+                file: name(),
+                source,
+            })?;
         if profile.processes == 0 || profile.same_value_percent > 100 {
-            return Err(format!(
-                "{name_or_file}: processes must be at least 1 and same_value_percent at most 100"
-            ));
+            return Err(ProfileError::OutOfBounds(name()));
         }
         if profile.is_guests()
             && (profile.zero_mib + profile.volatile_mib + profile.fork_mib > 0
                 || profile.duplicate_mib + profile.unique_mib + 64 > profile.guest_ram_mib)
         {
-            return Err(format!(
-                "{name_or_file}: a guest profile has only duplicate_mib and unique_mib, and leaves the guest kernel 64 MiB of guest_ram_mib"
-            ));
+            return Err(ProfileError::Guests(name()));
         }
         Ok(profile)
     }
@@ -506,11 +535,13 @@ mod tests {
         }
         assert!(Profile::load("no-such-profile")
             .unwrap_err()
+            .to_string()
             .contains("neither a profile name"));
         let path = std::env::temp_dir().join(format!("rksm-profile-{}.json", std::process::id()));
         std::fs::write(&path, r#"{"processes": 2, "duplicate_mib": 1}"#).unwrap();
         assert!(Profile::load(path.to_str().unwrap())
             .unwrap_err()
+            .to_string()
             .contains("missing field"));
         let mut full = serde_json::to_value(Profile::named("quick").unwrap()).unwrap();
         std::fs::write(&path, full.to_string()).unwrap();
@@ -522,6 +553,7 @@ mod tests {
         std::fs::write(&path, full.to_string()).unwrap();
         assert!(Profile::load(path.to_str().unwrap())
             .unwrap_err()
+            .to_string()
             .contains("colour"));
         std::fs::remove_file(path).unwrap();
     }

@@ -23,34 +23,63 @@ impl HttpAccess {
     /// kept from other users (mode 0600 or narrower), or a one-line reason why not. The
     /// checks are made on the file opened, so a file swapped in between is not read; a link
     /// (a Kubernetes secret volume's) is followed to the file it names.
-    pub fn read_token(path: &Path) -> Result<String, String> {
+    pub fn read_token(path: &Path) -> Result<String, TokenError> {
         use std::os::unix::fs::MetadataExt;
-        let fail = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
-        let mut file = std::fs::File::open(path).map_err(|e| fail(&e))?;
-        let meta = file.metadata().map_err(|e| fail(&e))?;
+        let path_buf = || path.to_path_buf();
+        let unreadable = |source| TokenError::Unreadable {
+            path: path_buf(),
+            source,
+        };
+        let mut file = std::fs::File::open(path).map_err(unreadable)?;
+        let meta = file.metadata().map_err(unreadable)?;
         let me = nix::unistd::geteuid().as_raw();
         if meta.uid() != me {
-            return Err(fail(&format_args!(
-                "the metrics token file must be owned by uid {me}, rksm's user, not uid {} (chown)",
-                meta.uid()
-            )));
+            return Err(TokenError::Owner {
+                path: path_buf(),
+                me,
+                owner: meta.uid(),
+            });
         }
         if meta.mode() & 0o077 != 0 {
-            return Err(fail(
-                &"the metrics token file must not be readable by group or others (chmod 600)",
-            ));
+            return Err(TokenError::Open(path_buf()));
         }
         let mut token = String::new();
-        file.read_to_string(&mut token).map_err(|e| fail(&e))?;
+        file.read_to_string(&mut token).map_err(unreadable)?;
         let token = token.trim().to_string();
         if token.len() < 16 || token.contains(char::is_whitespace) {
-            return Err(format!(
-                "{}: the metrics token must be one word of at least 16 characters",
-                path.display()
-            ));
+            return Err(TokenError::NotAToken(path_buf()));
         }
         Ok(token)
     }
+}
+
+/// Why the metrics token file is not used.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenError {
+    /// It cannot be opened or read.
+    #[error("{}: {source}", .path.display())]
+    Unreadable {
+        /// The file.
+        path: PathBuf,
+        /// What the kernel said.
+        source: std::io::Error,
+    },
+    /// It belongs to another user.
+    #[error("{}: the metrics token file must be owned by uid {me}, rksm's user, not uid {owner} (chown)", .path.display())]
+    Owner {
+        /// The file.
+        path: PathBuf,
+        /// rksm's user.
+        me: u32,
+        /// Its owner.
+        owner: u32,
+    },
+    /// Its group or others may read it.
+    #[error("{}: the metrics token file must not be readable by group or others (chmod 600)", .0.display())]
+    Open(PathBuf),
+    /// It does not hold one word of at least 16 characters.
+    #[error("{}: the metrics token must be one word of at least 16 characters", .0.display())]
+    NotAToken(PathBuf),
 }
 
 /// How long one client of the status server may take, reading its request and the answer:

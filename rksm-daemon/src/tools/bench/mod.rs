@@ -13,29 +13,25 @@
 
 use std::{
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
-    time::{Duration, Instant},
+    time::Instant,
 };
 
 use rksm_common::{PAGE, PAGE_SIZE};
 use serde::Serialize;
 
 pub mod report;
+mod run;
 pub mod verdict;
 
 pub use report::{markdown, svg};
+pub use run::{run_once, settle, BenchError};
 
 use crate::{
     kernel::{
-        ksmd::{self, KsmdOwner, KsmdSettings},
-        procfs,
+        ksmd::{self, KsmdError, KsmdOwner, KsmdSettings},
         reader::{self, ProcMem},
     },
-    service::status,
-    tools::{
-        guest::{self, GuestImage, GuestMemory, GuestProcess},
-        workload::{Profile, WorkloadProcess},
-    },
+    tools::{guest::GuestImage, workload::Profile},
 };
 
 /// One configuration of the comparison.
@@ -54,7 +50,7 @@ pub enum Config {
 impl Config {
     /// Takes ksmd over with this ksmd-only configuration's pace: its defaults (100 pages
     /// every 20 ms), or, tuned, sweeping `mergeable_pages` in `sweep_secs`.
-    fn own_ksmd(self, mergeable_pages: u64, sweep_secs: f64) -> Result<KsmdOwner, String> {
+    fn own_ksmd(self, mergeable_pages: u64, sweep_secs: f64) -> Result<KsmdOwner, KsmdError> {
         let settings = match self {
             Config::KsmdTuned => ksmd::pace(mergeable_pages, sweep_secs, 20),
             _ => KsmdSettings {
@@ -68,7 +64,11 @@ impl Config {
             Path::new(ksmd::STATE_PATH),
             settings,
         )
-        .map_err(|e| e.to_string())
+    }
+
+    /// Whether ksmd runs alone in this configuration, over memory the workloads marked.
+    fn ksmd_only(self) -> bool {
+        matches!(self, Config::Ksmd | Config::KsmdTuned | Config::KsmdAdvisor)
     }
 
     /// The `mode` column.
@@ -189,410 +189,6 @@ pub struct BenchPlan {
     pub guest: Option<GuestImage>,
     /// The daemon's `--write-protect` (None: its default, auto).
     pub write_protect: Option<String>,
-}
-
-/// One process of the workload: an `rksm workload` or a qemu guest.
-enum Workload {
-    Process(WorkloadProcess),
-    Guest(GuestProcess),
-}
-
-impl Workload {
-    /// Starts the profile's processes and waits until every one has filled its memory.
-    /// `mergeable` marks a workload process's memory (a guest marks its own).
-    fn start_all(
-        plan: &BenchPlan,
-        profile_arg: &str,
-        mergeable: bool,
-    ) -> Result<Vec<Self>, String> {
-        let n = plan.profile.processes;
-        let Some(image) = plan.guest.as_ref().filter(|_| plan.profile.is_guests()) else {
-            return (0..n)
-                .map(|i| WorkloadProcess::start(&plan.rksm, profile_arg, i, mergeable))
-                .map(|w| w.map(Workload::Process).map_err(|e| e.to_string()))
-                .collect();
-        };
-        let memory = GuestMemory {
-            ram_mib: plan.profile.guest_ram_mib,
-            duplicate_mib: plan.profile.duplicate_mib,
-            unique_mib: plan.profile.unique_mib,
-        };
-        // Booted side by side: under TCG each takes tens of seconds.
-        let mut guests = (0..n)
-            .map(|i| GuestProcess::start(image, memory, i))
-            .collect::<Result<Vec<_>, _>>()?;
-        let deadline = Instant::now() + guest::BOOT_DEADLINE;
-        for g in &mut guests {
-            g.ready(deadline)?;
-        }
-        Ok(guests.into_iter().map(Workload::Guest).collect())
-    }
-
-    fn pid(&self) -> u32 {
-        match self {
-            Workload::Process(w) => w.pid(),
-            Workload::Guest(g) => g.pid(),
-        }
-    }
-
-    fn verify(&mut self) -> String {
-        match self {
-            Workload::Process(w) => w.verify(),
-            Workload::Guest(g) => g.verify(),
-        }
-    }
-}
-
-/// CPU seconds (user + system) of a process from /proc/PID/stat (fields 14 and 15).
-fn cpu_seconds(pid: u32) -> Option<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let ticks = |n| procfs::stat_field(&stat, n)?.parse::<u64>().ok();
-    Some((ticks(14)? + ticks(15)?) as f64 / procfs::clock_ticks_per_second())
-}
-
-/// A process's VmRSS and VmHWM, in KiB.
-fn resident_kib(pid: u32) -> Option<(u64, u64)> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let field = |name: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))?
-            .split_whitespace()
-            .next()?
-            .parse::<u64>()
-            .ok()
-    };
-    Some((field("VmRSS:")?, field("VmHWM:")?))
-}
-
-fn ksmd_pid() -> Option<u32> {
-    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
-        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
-        (std::fs::read_to_string(format!("/proc/{pid}/comm"))
-            .ok()?
-            .trim()
-            == "ksmd")
-            .then_some(pid)
-    })
-}
-
-fn ksm_counter(name: &str) -> u64 {
-    std::fs::read_to_string(Path::new(ksmd::KSM_SYSFS).join(name))
-        .ok()
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(0)
-}
-
-/// Lets ksmd forget the previous run's workloads before the next one is measured: ksmd only
-/// drops an exited process's pages from its counters when it next scans, so it is run fast
-/// until pages_shared and pages_sharing stop moving (at most 30 s).
-pub fn settle() -> Result<(), String> {
-    let owner = KsmdOwner::take(
-        Path::new(ksmd::KSM_SYSFS),
-        Path::new(ksmd::STATE_PATH),
-        KsmdSettings {
-            run: 1,
-            pages_to_scan: 10_000,
-            sleep_millisecs: 10,
-        },
-    )
-    .map_err(|e| e.to_string())?;
-    let reading = || (ksm_counter("pages_shared"), ksm_counter("pages_sharing"));
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let (mut last, mut still) = (reading(), 0);
-    // Settled when the counters are zero or have not moved for a second.
-    while Instant::now() < deadline && last != (0, 0) && still < 4 {
-        std::thread::sleep(Duration::from_millis(250));
-        let now = reading();
-        still = if now == last { still + 1 } else { 0 };
-        last = now;
-    }
-    drop(owner);
-    Ok(())
-}
-
-/// Runs one configuration once.
-pub fn run_once(
-    plan: &BenchPlan,
-    profile_arg: &str,
-    config: Config,
-    checksum: &str,
-) -> Result<RunResult, String> {
-    let mergeable = matches!(
-        config,
-        Config::Ksmd | Config::KsmdTuned | Config::KsmdAdvisor
-    );
-    settle()?;
-    let mut workloads = Workload::start_all(plan, profile_arg, mergeable)
-        .map_err(|e| format!("starting the workload: {e}"))?;
-    let ksmd = ksmd_pid().ok_or("no ksmd thread: is KSM built into this kernel?")?;
-    let achievable = plan
-        .profile
-        .achievable_sharing(ksm_counter("max_page_sharing"));
-    let base_sharing = ksm_counter("pages_sharing");
-    let (base_scanned, base_scans) = (ksm_counter("pages_scanned"), ksm_counter("full_scans"));
-    let ksmd_cpu0 = cpu_seconds(ksmd).unwrap_or(0.0);
-
-    let mergeable_pages = plan.profile.mergeable_pages();
-    let socket = std::env::temp_dir().join(format!("rksm-bench-{}.sock", std::process::id()));
-    let mut advisor = None;
-    let (owner, mut daemon) = match config {
-        Config::Ksmd | Config::KsmdTuned => {
-            (Some(config.own_ksmd(mergeable_pages, plan.interval)?), None)
-        }
-        Config::KsmdAdvisor => {
-            // At ksmd's defaults; the advisor then sets its pace.
-            let owner = Config::Ksmd.own_ksmd(0, plan.interval)?;
-            advisor = Some(Advisor::start(plan.interval)?);
-            (Some(owner), None)
-        }
-        Config::Rksm(mode) => {
-            let mut cmd = Command::new(&plan.rksm);
-            // Only what is on this command line counts: not the host's configuration file,
-            // nor the status socket of a daemon the host runs.
-            cmd.args(["--no-config", "--log-level", "warn"]);
-            cmd.arg("daemon").arg("--socket").arg(&socket);
-            let (mode, new_pages) = match mode {
-                EBPF_READ => ("ebpf", "read"),
-                mode => (mode, "sample"),
-            };
-            cmd.args([
-                "--dirty",
-                mode,
-                "--new-pages",
-                new_pages,
-                "--checksum",
-                checksum,
-                "--interval",
-                &plan.interval.to_string(),
-            ]);
-            cmd.args(["--duration", &plan.run_seconds.to_string(), "--json"]);
-            if let Some(source) = &plan.write_protect {
-                cmd.args(["--write-protect", source]);
-            }
-            for w in &workloads {
-                cmd.args(["--pid", &w.pid().to_string()]);
-            }
-            let child = cmd
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .map_err(|e| format!("starting rksm: {e}"))?;
-            (None, Some(child))
-        }
-    };
-    let started = Instant::now();
-    let mut samples = Vec::new();
-    // Pages hashed and seconds of each pass, from the daemon's status (its last pass), not
-    // its logs, with when it was seen.
-    let mut passes: Vec<(u64, u64, f64, f64, u64)> = Vec::new();
-    let mut first_pass_cpu = None;
-    let daemon_pid = daemon.as_ref().map(Child::id);
-    let mut last_rksm_cpu = 0.0;
-    let mut rss = None;
-    let target = 0.9 * achievable as f64;
-    let keep_going = |samples: &[Sample]| {
-        let t = started.elapsed().as_secs_f64();
-        match config {
-            Config::Ksmd => {
-                t < plan.ksmd_default_cap
-                    && (t < plan.run_seconds
-                        || samples
-                            .last()
-                            .is_none_or(|s| (s.pages_sharing as f64) < target))
-            }
-            _ => t < plan.run_seconds,
-        }
-    };
-    while keep_going(&samples) {
-        std::thread::sleep(Duration::from_millis(500));
-        if let Some(cpu) = daemon_pid.and_then(cpu_seconds) {
-            last_rksm_cpu = cpu;
-        }
-        if let Some(now) = daemon_pid.and_then(resident_kib) {
-            rss = Some(now);
-        }
-        // The status once a second: asking costs the daemon CPU, which this measures.
-        if daemon_pid.is_some() && samples.len() % 2 == 0 {
-            let last = status::query(&socket).ok().and_then(|s| s.last_pass);
-            if let Some(pass) = last {
-                if passes.last().is_none_or(|&(n, ..)| n < pass.number) {
-                    passes.push((
-                        pass.number,
-                        pass.pages_hashed,
-                        pass.seconds,
-                        started.elapsed().as_secs_f64(),
-                        pass.written_bits_read,
-                    ));
-                }
-                first_pass_cpu.get_or_insert(last_rksm_cpu);
-            }
-        }
-        samples.push(Sample {
-            t: started.elapsed().as_secs_f64(),
-            pages_sharing: ksm_counter("pages_sharing").saturating_sub(base_sharing),
-            rksm_cpu: last_rksm_cpu,
-            ksmd_cpu: cpu_seconds(ksmd).unwrap_or(0.0) - ksmd_cpu0,
-        });
-    }
-    // rksm stops by itself at --duration; its JSON tells the rest.
-    let mut rksm_stats = None;
-    if let Some(child) = daemon.take() {
-        let output = child
-            .wait_with_output()
-            .map_err(|e| format!("waiting for rksm: {e}"))?;
-        if !output.status.success() {
-            return Err(format!(
-                "rksm daemon failed: {}",
-                String::from_utf8_lossy(&output.stderr)
-                    .lines()
-                    .last()
-                    .unwrap_or("")
-            ));
-        }
-        rksm_stats = serde_json::from_slice::<serde_json::Value>(&output.stdout).ok();
-    }
-    let ksmd_cpu = cpu_seconds(ksmd).unwrap_or(0.0) - ksmd_cpu0;
-    let pages_unshared = ksm_counter("pages_unshared");
-    let pages_sharing = ksm_counter("pages_sharing").saturating_sub(base_sharing);
-    let integrity_ok = workloads.iter_mut().all(|w| w.verify() == "ok");
-    drop(advisor);
-    drop(owner);
-    drop(workloads);
-
-    let at_90 = samples
-        .iter()
-        .find(|s| s.pages_sharing as f64 >= 0.9 * achievable as f64);
-    let stat = |key: &str| rksm_stats.as_ref().and_then(|s| s[key].as_u64());
-    // Steady state: the last 40% of the run, when merging has settled.
-    let run_end = samples.last().map_or(0.0, |s| s.t);
-    let steady_from = run_end * 0.6;
-    let steady: Vec<&Sample> = samples.iter().filter(|s| s.t >= steady_from).collect();
-    let per_minute = |f: fn(&Sample) -> f64| match (steady.first(), steady.last()) {
-        (Some(a), Some(b)) if b.t - a.t >= 2.0 => Some((f(b) - f(a)) / (b.t - a.t) * 60.0),
-        _ => None,
-    };
-    let steady_passes: Vec<&(u64, u64, f64, f64, u64)> =
-        passes.iter().filter(|p| p.3 >= steady_from).collect();
-    let ksm_scanned = ksm_counter("pages_scanned") - base_scanned;
-    let pages_hashed = match config {
-        Config::Rksm(_) => median_u64(steady_passes.iter().map(|p| p.1).collect()),
-        _ => ksm_scanned
-            .checked_div(ksm_counter("full_scans") - base_scans)
-            .unwrap_or(0),
-    };
-    Ok(RunResult {
-        mode: config.name().into(),
-        checksum: if mergeable {
-            "xxh64".into()
-        } else {
-            checksum.into()
-        },
-        pages_sharing,
-        pages_hashed,
-        cpu_seconds: last_rksm_cpu,
-        ksmd_cpu_seconds: ksmd_cpu,
-        seconds_to_90pct: at_90.map(|s| s.t),
-        cpu_to_90pct: at_90.map(|s| s.rksm_cpu + s.ksmd_cpu),
-        ksmd_cpu_to_90pct: at_90.map(|s| s.ksmd_cpu),
-        cow_breaks: stat("cow_breaks"),
-        pages_unshared,
-        unshared_per_sharing: if pages_sharing > 0 {
-            pages_unshared as f64 / pages_sharing as f64
-        } else {
-            0.0
-        },
-        checksum_ns_per_page: match (stat("checksum_ns"), stat("pages_hashed")) {
-            (Some(ns), Some(pages)) if pages > 0 => Some(ns as f64 / pages as f64),
-            _ => None,
-        },
-        steady_cpu_per_minute: per_minute(|s| s.rksm_cpu + s.ksmd_cpu),
-        steady_rksm_cpu_per_minute: per_minute(|s| s.rksm_cpu),
-        steady_pass_seconds: (!steady_passes.is_empty())
-            .then(|| median_f64(steady_passes.iter().map(|p| p.2).collect())),
-        first_pass_cpu,
-        first_pass_gbps: match (
-            rksm_stats
-                .as_ref()
-                .and_then(|s| s["first_pass_seconds"].as_f64()),
-            stat("first_pass_pages"),
-        ) {
-            (Some(secs), Some(pages)) if secs > 0.0 && pages > 0 => {
-                Some(pages as f64 * PAGE_SIZE as f64 / secs / 1e9)
-            }
-            _ => None,
-        },
-        first_pass_pages: stat("first_pass_pages"),
-        ksmd_ns_per_page: (mergeable && ksm_scanned > 0)
-            .then(|| ksmd_cpu * 1e9 / ksm_scanned as f64),
-        pages_marked: stat("pages_marked"),
-        rss_bytes_per_page: rss
-            .map(|(now, _)| now as f64 * 1024.0 / plan.profile.mergeable_pages().max(1) as f64),
-        peak_rss_bytes_per_page: rss
-            .map(|(_, peak)| peak as f64 * 1024.0 / plan.profile.mergeable_pages().max(1) as f64),
-        write_protect: rksm_stats.as_ref().and_then(|s| {
-            let sources = s["write_protect"].as_object()?;
-            let list: Vec<String> = sources.iter().map(|(k, v)| format!("{k}: {v}")).collect();
-            Some(list.join(", "))
-        }),
-        steady_rksm_cpu_per_pass: per_minute(|s| s.rksm_cpu).map(|m| m / 60.0 * plan.interval),
-        written_bits_read: (matches!(config, Config::Rksm(_)) && !steady_passes.is_empty())
-            .then(|| median_u64(steady_passes.iter().map(|p| p.4).collect())),
-        soft_dirty_clears: stat("soft_dirty_clears"),
-        ms_per_clear: match (
-            rksm_stats
-                .as_ref()
-                .and_then(|s| s["soft_dirty_clear_seconds"].as_f64()),
-            stat("soft_dirty_clears"),
-        ) {
-            (Some(secs), Some(n)) if n > 0 => Some(secs * 1e3 / n as f64),
-            _ => None,
-        },
-        integrity_ok,
-        samples,
-    })
-}
-
-/// ksmd's advisor (Linux 6.7) steering its pace, put back to what it was when dropped.
-struct Advisor {
-    found: (String, String),
-}
-
-impl Advisor {
-    const MODE: &'static str = "/sys/kernel/mm/ksm/advisor_mode";
-    const TARGET: &'static str = "/sys/kernel/mm/ksm/advisor_target_scan_time";
-
-    /// Asks the advisor to sweep all mergeable memory in `seconds` (at least 1).
-    fn start(seconds: f64) -> Result<Advisor, String> {
-        let read = |path: &str| {
-            std::fs::read_to_string(path)
-                .map_err(|e| format!("{path}: {e} (the advisor needs Linux 6.7)"))
-        };
-        let mode = read(Self::MODE)?;
-        // "[none] scan-time": the bracketed one is in force.
-        let found_mode = mode
-            .split_whitespace()
-            .find(|w| w.starts_with('['))
-            .map_or("none", |w| w.trim_matches(['[', ']']))
-            .to_string();
-        let found = (found_mode, read(Self::TARGET)?.trim().to_string());
-        let write = |path: &str, value: &str| {
-            std::fs::write(path, value).map_err(|e| format!("{path}: {e}"))
-        };
-        write(Self::TARGET, &(seconds.ceil().max(1.0) as u64).to_string())?;
-        write(Self::MODE, "scan-time")?;
-        Ok(Advisor { found })
-    }
-}
-
-impl Drop for Advisor {
-    fn drop(&mut self) {
-        for (path, value) in [(Self::MODE, &self.found.0), (Self::TARGET, &self.found.1)] {
-            if let Err(e) = std::fs::write(path, value) {
-                log::warn!("restoring {path}: {e}");
-            }
-        }
-    }
 }
 
 fn median_u64(mut v: Vec<u64>) -> u64 {
