@@ -74,6 +74,12 @@ fn finish_when(mut daemon: Daemon, what: &str, done: impl FnMut() -> bool) -> Da
     stats
 }
 
+/// Whether each of `kids` has the first `pages` pages of its region merged.
+fn all_merged(kids: &[(TestChild, Region)], pages: u64) -> bool {
+    kids.iter()
+        .all(|(c, r)| ksm_pages(c.pid(), *r, pages).len() == pages as usize)
+}
+
 const PAGES: u64 = 256;
 const SHARED: u64 = 128; // pages 0..128: the same content in every child
 const UNIQUE: u64 = 64; // pages 128..192: different in every child
@@ -530,10 +536,7 @@ fn a_thread_with_a_seccomp_filter_of_its_own_is_never_borrowed() {
     pair[0].0.command("seccompworker");
     let regions: Vec<(u32, Region, u64)> = pair.iter().map(|(c, r)| (c.pid(), *r, 32)).collect();
     let daemon = daemon_over(&regions, DirtyMode::Pagemap);
-    let stats = finish_when(daemon, "not merged", || {
-        pair.iter()
-            .all(|(c, r)| ksm_pages(c.pid(), *r, 32).len() == 32)
-    });
+    let stats = finish_when(daemon, "not merged", || all_merged(&pair, 32));
     assert!(stats.targets_refused.is_empty(), "{stats:?}");
     for (child, region) in &mut pair {
         assert!(
@@ -1626,13 +1629,7 @@ fn a_target_that_exits_in_the_middle_of_a_pass_is_dropped_and_the_others_merge()
     let summary = daemon.pass();
     assert_eq!(summary.targets, 2, "the one that exited is still a target");
     assert!(
-        passes_until(&mut daemon, || kids.iter().all(|(c, r)| ksm_pages(
-            c.pid(),
-            *r,
-            64
-        )
-        .len()
-            == 64)),
+        passes_until(&mut daemon, || all_merged(&kids, 64)),
         "the remaining two were not merged"
     );
     daemon.finish();
@@ -1660,13 +1657,7 @@ fn a_target_that_unmaps_in_the_middle_of_a_pass_has_nothing_marked_there() {
         "something was marked in the target that unmapped"
     );
     assert!(
-        passes_until(&mut daemon, || kids[1..].iter().all(|(c, r)| ksm_pages(
-            c.pid(),
-            *r,
-            64
-        )
-        .len()
-            == 64)),
+        passes_until(&mut daemon, || all_merged(&kids[1..], 64)),
         "the other two were not merged"
     );
     daemon.finish();
@@ -1701,13 +1692,7 @@ fn a_target_that_execs_in_the_middle_of_a_pass_is_not_marked_in_its_new_program(
     // Started over with the new program, it is merged like any other.
     kids[0].1 = new;
     assert!(
-        passes_until(&mut daemon, || kids.iter().all(|(c, r)| ksm_pages(
-            c.pid(),
-            *r,
-            64
-        )
-        .len()
-            == 64)),
+        passes_until(&mut daemon, || all_merged(&kids, 64)),
         "not merged after starting over"
     );
     daemon.finish();

@@ -2,7 +2,27 @@
 //! given its domain, refused when it must be, followed through exec and exit, and the
 //! processes outside the targets that mark their own memory mergeable named.
 
-use super::*;
+use std::{
+    collections::{BTreeSet, HashSet},
+    time::Instant,
+};
+
+use super::{
+    adopted::Adopted,
+    domains::{self, SeveralDomains},
+    Daemon, SHORT_OF_FILES_WARN_EVERY,
+};
+use crate::{
+    ebpf::{guard, marks::MarkWatch, waits},
+    engine::target::Target,
+    kernel::{
+        limits,
+        process::{Process, ProcessId},
+        procfs,
+        ranges::Range,
+        remote::{self, RemoteError},
+    },
+};
 
 impl Daemon {
     /// Adopts the processes not yet targets and not refused: each gets its record. At start

@@ -2,7 +2,13 @@
 //! decided from its domain's own history), the copy-on-write breaks counted, and the regions
 //! whose merged pages keep breaking backed off.
 
-use super::*;
+use std::collections::HashSet;
+
+use super::{backoff::REGION_SHIFT, Daemon};
+use crate::{
+    engine::{merge::Run, scan::PassReport},
+    kernel::{ranges::Range, remote::RemoteError},
+};
 
 impl Daemon {
     /// Step 4: counts writes the tracer saw on pages that were merged at the previous pass,

@@ -29,21 +29,18 @@ mod undo;
 mod wait;
 
 use adopted::Adopted;
-use backoff::REGION_SHIFT;
 pub use pacing::DEFAULT_KSMD_MAX_DELAY;
 use pacing::{KsmdWork, Pacing};
 use refusals::Refusals;
 pub use stats::{mib, unix_time, DaemonStats, PassSummary};
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
-    os::fd::BorrowedFd,
+    collections::{BTreeMap, HashSet},
     path::PathBuf,
     time::{Duration, Instant, SystemTime},
 };
 
-use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-use rksm_common::{PAGE, PAGE_SIZE};
+use rksm_common::PAGE;
 use serde::{Deserialize, Serialize};
 
 use self::domains::Domains;
@@ -58,12 +55,12 @@ use crate::{
         waits,
     },
     engine::{
-        checksum::{ChecksumKind, NO_CHECKSUM},
+        checksum::ChecksumKind,
         dirty::{
             protection::{NotOffered, Offer, WriteProtectChoice},
             DirtySource, EbpfSource, HashOnly, Lent, PagemapSource, DEFAULT_AUDIT_PASSES,
         },
-        merge::{Marker, MergePolicy, Run},
+        merge::{Marker, MergePolicy},
         scan::{PassReport, ScanConfig, Scanner},
         target::Target,
         targets::{SelectionError, TargetSpec},
@@ -71,11 +68,9 @@ use crate::{
     kernel::{
         ksmd::{self, KsmdError, KsmdOwner},
         limits, oom,
-        process::{Process, ProcessId},
+        process::ProcessId,
         procfs::{self, ProcfsError},
-        ranges::{page_runs, Range},
-        reader::ProcMem,
-        remote::{self, Borrower, RemoteError},
+        remote::Borrower,
     },
 };
 

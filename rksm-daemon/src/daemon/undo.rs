@@ -2,7 +2,22 @@
 //! than one domain are unmapped from the domains that must give way, which then never mark
 //! that content again.
 
-use super::*;
+use std::{
+    collections::{BTreeMap, HashMap, HashSet},
+    time::Instant,
+};
+
+use rksm_common::{PAGE, PAGE_SIZE};
+
+use super::{adopted::Adopted, backoff::REGION_SHIFT, crossings, Daemon};
+use crate::{
+    engine::{checksum::NO_CHECKSUM, merge::Run},
+    kernel::{
+        ksmd, procfs,
+        ranges::{page_runs, Range},
+        reader::ProcMem,
+    },
+};
 
 impl Daemon {
     /// Step 4b: finds KSM frames mapped in more than one merge domain ([`crossings`]), counts

@@ -1,7 +1,15 @@
 //! Between passes: the daemon sleeps until its next pass, a signal or a child's exit, waking
 //! only when the tracer needs draining, and a pass can be ended early between two chunks.
 
-use super::*;
+use std::{
+    os::fd::BorrowedFd,
+    time::{Duration, Instant},
+};
+
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+
+use super::{Daemon, DRAIN_EVERY};
+use crate::ebpf::recorder::Recorder;
 
 impl Daemon {
     /// Waits until `deadline`, draining the tracer when it needs it; returns early (false)

@@ -1,30 +1,27 @@
 use std::{
     collections::{HashMap, HashSet, VecDeque},
-    sync::{mpsc, Arc},
+    sync::Arc,
     thread,
     time::Instant,
 };
 
-use rksm_common::{sample::digest_of, PAGE, PAGE_SIZE};
-use serde::Serialize;
+use rksm_common::{sample::digest_of, PAGE};
 
 use crate::{
-    ebpf::sampler::{Sampler, SamplerError},
+    ebpf::sampler::Sampler,
     engine::{
-        checksum::{ChecksumKind, NO_CHECKSUM},
-        dirty::{DirtySet, DirtySource, Lent},
+        checksum::ChecksumKind,
+        dirty::{DirtySource, Lent},
         heap,
-        index::{Content, ContentSource, Index, PageRef, Placement, TopContent},
-        pages::{PageInfo, PageState},
-        samples::{Meets, SampleIndex},
+        index::{Index, PageRef, TopContent},
+        samples::SampleIndex,
         target::{Finds, Target},
     },
     kernel::{
         limits,
         procfs::{self, KpageFlags, Pagemap, PagemapEntry, ProcfsError, Vma},
-        ranges::{page_runs, Range, RangeSet},
-        reader::{self, ProcMem, ReaderError},
-        remote::RemoteRefusal,
+        ranges::{Range, RangeSet},
+        reader::{ProcMem, ReaderError},
     },
 };
 
@@ -34,7 +31,7 @@ mod reads;
 mod report;
 mod sampling;
 
-use reads::{LiveMemory, ReadDone, RecentBatches};
+use reads::{LiveMemory, RecentBatches};
 pub use report::{PageCounts, PassReport, ProcessCounts, Progress};
 use sampling::settle;
 

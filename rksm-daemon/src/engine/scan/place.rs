@@ -1,8 +1,20 @@
 //! Placing what a batch read: each page into its domain's index, with KSM's rules, and the
 //! duplicates found into the candidates the marking takes.
 
-use super::reads::preload_representatives;
-use super::*;
+use std::collections::HashMap;
+
+use rksm_common::{sample::digest_of, PAGE};
+
+use super::{
+    reads::{preload_representatives, ReadDone},
+    sampling::settle,
+    InProgress, Prepared, ProcessScanError, Scanner, Source,
+};
+use crate::engine::{
+    checksum::NO_CHECKSUM,
+    index::{Content, Index, PageRef, Placement},
+    pages::PageInfo,
+};
 
 /// Records `page` and `of`, found equal under `checksum`, among the pass's merge candidates:
 /// marking both lets ksmd merge them.

@@ -1,8 +1,30 @@
 //! Planning a target's part of a pass: which ranges the dirty source says must be looked
 //! at, which pages wait for the gate, and the duplicates held from the pass before.
 
-use super::place::add_pair;
-use super::*;
+use std::{
+    collections::{HashMap, HashSet, VecDeque},
+    sync::Arc,
+};
+
+use rksm_common::PAGE_SIZE;
+
+use super::{
+    place::add_pair, report::PageCounts, sampling::settle, InProgress, Open, ProcessScanError,
+    Scanner, Step, Work, CHUNK_PAGES,
+};
+use crate::{
+    engine::{
+        dirty::{DirtySet, Lent},
+        index::{Index, PageRef},
+        pages::PageInfo,
+        target::Target,
+    },
+    kernel::{
+        procfs::{Pagemap, Vma},
+        ranges::{page_runs, Range, RangeSet},
+        reader::ProcMem,
+    },
+};
 
 impl Scanner {
     /// Asks the dirty source what changed in `target`, decides what to look at, and takes

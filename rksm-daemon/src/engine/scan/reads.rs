@@ -2,7 +2,26 @@
 //! reader threads, the last batches kept for the representatives of the next ones, and the
 //! representatives a batch will be compared with read ahead in runs.
 
-use super::*;
+use std::{
+    collections::{HashMap, VecDeque},
+    sync::{mpsc, Arc},
+    thread,
+    time::Instant,
+};
+
+use rksm_common::{PAGE, PAGE_SIZE};
+
+use super::{
+    report::Progress, sampling::settle, scans_done, Candidate, InProgress, Prepared,
+    ProcessScanError, Scanner, Source, Step, CHUNK_PAGES,
+};
+use crate::{
+    engine::{
+        checksum::{ChecksumKind, NO_CHECKSUM},
+        index::{ContentSource, Index, PageRef},
+    },
+    kernel::reader::{self, ProcMem, ReaderError},
+};
 
 /// Reads single pages of live processes for the index's comparisons, through /proc/PID/mem
 /// (a representative may well be a KSM or fork-shared page, which pinning would unshare).

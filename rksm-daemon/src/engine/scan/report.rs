@@ -1,7 +1,11 @@
 //! What a pass reports: per process and in total, what was looked at, read, found and
 //! skipped, and the work it leaves for the marking.
 
-use super::*;
+use rksm_common::PAGE;
+use serde::Serialize;
+
+use super::MIB;
+use crate::{engine::index::TopContent, kernel::remote::RemoteRefusal};
 
 /// Page counts of one process or of all (the `estimate` report's fields).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]

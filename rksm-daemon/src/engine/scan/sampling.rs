@@ -1,7 +1,20 @@
 //! The sampling stage of a pass: new pages sampled in the kernel, batch by batch, and what
 //! their digests meet in the domain's sample index decides which are read whole.
 
-use super::*;
+use std::collections::HashMap;
+
+use rksm_common::PAGE_SIZE;
+
+use super::{Scanner, Work, CHUNK_PAGES};
+use crate::{
+    ebpf::sampler::{Sampler, SamplerError},
+    engine::{
+        pages::PageState,
+        samples::{Meets, SampleIndex},
+        target::Target,
+    },
+    kernel::procfs::{Pagemap, PagemapEntry},
+};
 
 /// The buffers of the sampling stage, kept from batch to batch.
 #[derive(Default)]

@@ -1,6 +1,13 @@
 //! The client side: what `rksm status` asks the socket.
 
-use super::*;
+use std::{
+    io::{self, Read},
+    os::unix::net::UnixStream,
+    path::Path,
+    time::Duration,
+};
+
+use super::{Status, StatusError};
 
 /// Asks the daemon listening on `socket` for its status.
 pub fn query(socket: &Path) -> Result<Status, StatusError> {

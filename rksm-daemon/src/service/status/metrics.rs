@@ -1,7 +1,12 @@
 //! The status as Prometheus text: every series, with per-target series only where asked for
 //! (the HTTP endpoint with its token), and the textfile for node_exporter.
 
-use super::*;
+use std::fmt::Write as _;
+use std::io::{self, Write as _};
+use std::path::Path;
+
+use super::{Status, TargetStatus};
+use crate::kernel::procfs::printable;
 
 /// Prometheus text exposition (version 0.0.4) of `status`: daemon-wide counters without
 /// labels, per-target ones with `pid` and `comm` labels (sum them for totals).

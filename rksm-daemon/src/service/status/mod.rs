@@ -1,24 +1,13 @@
-use std::{
-    fmt::Write as _,
-    io::{self, Read, Write},
-    net::{SocketAddr, TcpListener, TcpStream},
-    os::{
-        fd::AsFd,
-        unix::{
-            fs::FileTypeExt,
-            net::{UnixListener, UnixStream},
-        },
-    },
-    path::{Path, PathBuf},
-    sync::{
-        atomic::{AtomicBool, AtomicUsize, Ordering},
-        Arc, Mutex,
-    },
-    thread::JoinHandle,
-    time::{Duration, Instant},
-};
+//! What the daemon tells operators: the status model (counters, the last pass, each
+//! target), served on a unix socket and, with a token, over HTTP (`server`), read back by
+//! `rksm status` (`client`), and rendered as Prometheus text (`metrics`).
+//!
+//! The model is one serde type, so the socket's JSON, `rksm status --json` and the metrics
+//! all say the same thing; the server holds a snapshot the daemon replaces after each pass,
+//! so answering a client never waits for a pass.
 
-use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use std::{io, path::PathBuf};
+
 use serde::{Deserialize, Serialize};
 
 use rksm_common::PAGE_SIZE;
@@ -189,6 +178,8 @@ impl TargetStatus {
 
 #[cfg(test)]
 mod tests {
+    use std::{os::unix::net::UnixStream, time::Duration};
+
     use super::server::write_by;
     use super::*;
 

@@ -2,12 +2,37 @@
 //! as JSON and, if asked for, HTTP clients with Prometheus text; every write bounded in time,
 //! at most a few clients at once, and a pause instead of a spin when no file is left.
 
-use nix::sys::{
-    socket::{setsockopt, sockopt},
-    time::TimeVal,
+use std::{
+    io::{self, Read, Write},
+    net::{SocketAddr, TcpListener, TcpStream},
+    os::{
+        fd::AsFd,
+        unix::{
+            fs::FileTypeExt,
+            net::{UnixListener, UnixStream},
+        },
+    },
+    path::{Path, PathBuf},
+    sync::{
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+        Arc, Mutex,
+    },
+    thread::JoinHandle,
+    time::{Duration, Instant},
 };
 
-use super::*;
+use nix::{
+    poll::{poll, PollFd, PollFlags, PollTimeout},
+    sys::{
+        socket::{setsockopt, sockopt},
+        time::TimeVal,
+    },
+};
+
+use super::{
+    metrics::{render_metrics, render_public_metrics},
+    Status, StatusError,
+};
 
 /// Who may see what over HTTP: without `token`, daemon-wide and per-domain series only.
 #[derive(Debug, Clone, Default)]

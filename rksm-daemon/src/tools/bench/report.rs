@@ -1,7 +1,8 @@
 //! The bench's report: its rows as Markdown tables, closed by the verdicts on the goals, and
 //! an SVG plot of `pages_sharing` and CPU over time, one line per run.
 
-use super::*;
+use super::{verdict, MemorySpeed, RunResult, Sample};
+use crate::tools::workload::Profile;
 
 /// The Markdown table of a comparison.
 pub fn markdown(
