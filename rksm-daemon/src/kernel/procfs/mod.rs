@@ -1,111 +1,25 @@
-//! /proc parsing, in one place: maps, pagemap, kpageflags.
+//! /proc parsing, in one place: maps (`maps`), pagemap and kpageflags (`pagemap`), stat,
+//! ksm_stat and open files.
 //!
 //! rksm decides what to read, what is already shared and what is a KSM or zero page entirely
 //! from what the kernel reports in /proc. Each file has its own format and its own way of
 //! failing when a process exits or unmaps memory mid-read; this module turns all of that into
 //! plain values and typed errors, and is the only place that knows the bit layouts.
 
-use std::{
-    collections::HashSet,
-    fs::File,
-    io::{self, BufRead, BufReader},
-    os::{
-        fd::{AsFd, AsRawFd, BorrowedFd},
-        unix::fs::FileExt,
-    },
-    path::PathBuf,
+use std::{io, path::PathBuf};
+
+mod maps;
+mod pagemap;
+
+pub use maps::{mergeable_ranges, read_maps, Vma};
+pub use pagemap::{
+    ksm_flag_reliable, ksm_mapped, thp_enabled, thp_mapped, KpageFlags, PageFlags, Pagemap,
+    PagemapEntry,
 };
-
-use rksm_common::{PAGE, PAGE_SIZE};
-
-use crate::kernel::ranges::{page_runs, Range};
-
-/// PAGEMAP_SCAN (Linux 6.7): the pages of a range by category, one region per run.
-pub(crate) const PAGE_IS_WRITTEN: u64 = 1 << 1;
-pub(crate) const PAGE_IS_PRESENT: u64 = 1 << 3;
-pub(crate) const PAGE_IS_PFNZERO: u64 = 1 << 5;
-
-/// `struct page_region`.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub(crate) struct PageRegion {
-    pub start: u64,
-    pub end: u64,
-    pub categories: u64,
-}
-
-/// `struct pm_scan_arg`.
-#[repr(C)]
-#[derive(Default)]
-struct PmScanArg {
-    size: u64,
-    flags: u64,
-    start: u64,
-    end: u64,
-    walk_end: u64,
-    vec: u64,
-    vec_len: u64,
-    max_pages: u64,
-    category_inverted: u64,
-    category_mask: u64,
-    category_anyof_mask: u64,
-    return_mask: u64,
-}
-
-nix::ioctl_readwrite!(pagemap_scan, b'f', 16, PmScanArg);
-
-/// `PM_SCAN_WP_MATCHING`: write-protect the pages that match, atomically with the report.
-pub(crate) const PM_SCAN_WP_MATCHING: u64 = 1 << 0;
-/// `PM_SCAN_CHECK_WPASYNC`: fail unless the range is registered for async write protection.
-pub(crate) const PM_SCAN_CHECK_WPASYNC: u64 = 1 << 1;
-
-/// One kind of PAGEMAP_SCAN query: its flags and the categories it matches and returns.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct PageScan {
-    pub flags: u64,
-    pub category_mask: u64,
-    pub return_mask: u64,
-}
-
-impl PageScan {
-    /// Walks `start..end` of the pagemap `fd`, calling `found` for every matching region,
-    /// and going on from where the kernel stopped when its vector of regions filled up.
-    pub fn walk(
-        self,
-        fd: BorrowedFd<'_>,
-        start: u64,
-        end: u64,
-        found: &mut dyn FnMut(&PageRegion),
-    ) -> Result<(), nix::errno::Errno> {
-        let mut regions = [PageRegion::default(); 256];
-        let mut from = start;
-        while from < end {
-            let mut arg = PmScanArg {
-                size: size_of::<PmScanArg>() as u64,
-                flags: self.flags,
-                start: from,
-                end,
-                vec: regions.as_mut_ptr() as u64,
-                vec_len: regions.len() as u64,
-                category_mask: self.category_mask,
-                return_mask: self.return_mask,
-                ..PmScanArg::default()
-            };
-            // SAFETY: `arg` describes `regions`, which outlives the call; the kernel writes at
-            // most vec_len entries into it and reads nothing else of ours.
-            let n = unsafe { pagemap_scan(fd.as_raw_fd(), &mut arg) }?;
-            for region in &regions[..n as usize] {
-                found(region);
-            }
-            from = if arg.walk_end > from {
-                arg.walk_end
-            } else {
-                end
-            };
-        }
-        Ok(())
-    }
-}
+pub(crate) use pagemap::{
+    PageRegion, PageScan, PAGE_IS_PFNZERO, PAGE_IS_WRITTEN, PM_SCAN_CHECK_WPASYNC,
+    PM_SCAN_WP_MATCHING,
+};
 
 /// Errors reading /proc.
 #[derive(Debug, thiserror::Error)]
@@ -123,107 +37,13 @@ pub enum ProcfsError {
     },
 }
 
-fn io_error(pid: u32, path: PathBuf, source: io::Error) -> ProcfsError {
+pub(crate) fn io_error(pid: u32, path: PathBuf, source: io::Error) -> ProcfsError {
     // ESRCH comes back from pagemap reads of a process that exited after open.
     if source.kind() == io::ErrorKind::NotFound || source.raw_os_error() == Some(libc::ESRCH) {
         ProcfsError::Gone(pid)
     } else {
         ProcfsError::Io { path, source }
     }
-}
-
-/// One line of /proc/PID/maps.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Vma {
-    /// First address.
-    pub start: u64,
-    /// One past the last address.
-    pub end: u64,
-    /// `rw-p` style permissions.
-    pub perms: [u8; 4],
-    /// Inode; 0 for anonymous memory.
-    pub inode: u64,
-    /// The path or pseudo-name (`[heap]`, `[stack]`, `[anon:name]`), empty for anonymous mmaps.
-    pub name: String,
-}
-
-impl Vma {
-    /// The addresses it spans.
-    pub fn range(&self) -> Range {
-        Range::new(self.start, self.end)
-    }
-
-    /// A private, anonymous, writable VMA from `start` to `end`, as the kernel would list an
-    /// anonymous mmap.
-    pub fn anonymous(start: u64, end: u64) -> Vma {
-        Vma {
-            start,
-            end,
-            perms: *b"rw-p",
-            inode: 0,
-            name: String::new(),
-        }
-    }
-
-    /// Number of pages.
-    pub fn pages(&self) -> u64 {
-        (self.end - self.start) / PAGE_SIZE
-    }
-
-    /// Private, writable, anonymous memory: the heap, the stack, anonymous mmaps (named or
-    /// not). That is what KSM can merge and what rksm scans. File-backed and shared mappings
-    /// and the kernel's special areas (`[vdso]`, `[vvar]`, ...) are not.
-    pub fn is_private_anonymous_writable(&self) -> bool {
-        let private_writable =
-            self.perms[0] == b'r' && self.perms[1] == b'w' && self.perms[3] == b'p';
-        let anonymous = self.inode == 0
-            && (self.name.is_empty()
-                || self.name == "[heap]"
-                || self.name == "[stack]"
-                || self.name.starts_with("[anon:"));
-        private_writable && anonymous
-    }
-
-    /// Parses one maps line: `start-end perms offset dev inode [name]`.
-    ///
-    /// ```
-    /// let vma = rksm::kernel::procfs::Vma::parse("7f0000-8f0000 rw-p 00000000 00:00 0 ").unwrap();
-    /// assert_eq!((vma.start, vma.end), (0x7f_0000, 0x8f_0000));
-    /// assert!(vma.is_private_anonymous_writable());
-    /// ```
-    pub fn parse(line: &str) -> Option<Vma> {
-        let mut fields = line.splitn(6, ' ');
-        let (start, end) = fields.next()?.split_once('-')?;
-        let perms: [u8; 4] = fields.next()?.as_bytes().try_into().ok()?;
-        let _offset = fields.next()?;
-        let _dev = fields.next()?;
-        let inode = fields.next()?.parse().ok()?;
-        let name = fields.next().unwrap_or("").trim().to_string();
-        let vma = Vma {
-            start: u64::from_str_radix(start, 16).ok()?,
-            end: u64::from_str_radix(end, 16).ok()?,
-            perms,
-            inode,
-            name,
-        };
-        (vma.start < vma.end && vma.start % PAGE_SIZE == 0 && vma.end % PAGE_SIZE == 0)
-            .then_some(vma)
-    }
-}
-
-/// Reads /proc/PID/maps. Malformed lines are skipped (they cannot be scanned safely).
-pub fn read_maps(pid: u32) -> Result<Vec<Vma>, ProcfsError> {
-    let path = PathBuf::from(format!("/proc/{pid}/maps"));
-    let file = File::open(&path).map_err(|e| io_error(pid, path.clone(), e))?;
-    let mut vmas = Vec::new();
-    // A mapped file's path is raw bytes: see [`read_text`].
-    for line in BufReader::new(file).split(b'\n') {
-        let line = line.map_err(|e| io_error(pid, path.clone(), e))?;
-        if let Some(vma) = Vma::parse(&String::from_utf8_lossy(&line)) {
-            vmas.push(vma);
-        }
-    }
-    Ok(vmas)
 }
 
 /// A /proc file as text. The kernel writes what processes chose (a command name, a mapped
@@ -235,33 +55,6 @@ pub fn read_text(path: impl AsRef<std::path::Path>) -> io::Result<String> {
         Ok(text) => text,
         Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
     })
-}
-
-/// The VMAs of `pid` that ksmd may merge (`mg` among their VmFlags in /proc/PID/smaps):
-/// those rksm marked and those the process marked itself (`MADV_MERGEABLE`,
-/// `PR_SET_MEMORY_MERGE`). smaps is the only place the kernel says so; reading it walks the
-/// process's page tables, so it is for occasional checks, not for every page of a pass.
-pub fn mergeable_ranges(pid: u32) -> Result<Vec<Range>, ProcfsError> {
-    let path = PathBuf::from(format!("/proc/{pid}/smaps"));
-    let text = read_text(&path).map_err(|e| io_error(pid, path, e))?;
-    Ok(parse_mergeable_ranges(&text))
-}
-
-fn parse_mergeable_ranges(smaps: &str) -> Vec<Range> {
-    let mut ranges = Vec::new();
-    let mut current = None;
-    for line in smaps.lines() {
-        if let Some(flags) = line.strip_prefix("VmFlags:") {
-            if let Some(vma) = current.take() {
-                if flags.split_whitespace().any(|f| f == "mg") {
-                    ranges.push(vma);
-                }
-            }
-        } else if let Some(vma) = Vma::parse(line) {
-            current = Some(vma.range());
-        }
-    }
-    ranges
 }
 
 /// Field `n` of a /proc/PID/stat line, numbered as in proc_pid_stat(5): 3 is the state, 4 the
@@ -387,236 +180,6 @@ pub fn holds_kvm(pid: u32) -> bool {
     open_files(pid).iter().any(|(_, file)| is_kvm(file))
 }
 
-/// Those of `pages` (of `pid`, sorted) mapped to KSM pages: one pagemap read per run of
-/// consecutive pages, one kpageflags read per page mapped more than once.
-pub fn ksm_mapped(pid: u32, pages: &[u64]) -> HashSet<u64> {
-    mapped_where(pid, pages, |entry, flags| {
-        !entry.exclusive() && flags().is_some_and(PageFlags::ksm)
-    })
-}
-
-/// Those of `pages` (of `pid`, sorted) that are part of a transparent huge page.
-pub fn thp_mapped(pid: u32, pages: &[u64]) -> HashSet<u64> {
-    mapped_where(pid, pages, |_, flags| flags().is_some_and(PageFlags::thp))
-}
-
-/// Those of `pages` (sorted) present in `pid` whose entry and frame flags satisfy `keep`
-/// (which reads kpageflags only if it asks): one pagemap read per run of pages.
-fn mapped_where(
-    pid: u32,
-    pages: &[u64],
-    keep: impl Fn(PagemapEntry, &dyn Fn() -> Option<PageFlags>) -> bool,
-) -> HashSet<u64> {
-    let mut mapped = HashSet::new();
-    let (Ok(pagemap), Ok(flags)) = (Pagemap::open(pid), KpageFlags::open()) else {
-        return mapped;
-    };
-    let mut entries = vec![PagemapEntry(0); 512];
-    for run in page_runs(pages, entries.len()) {
-        let Ok(got) = pagemap.read(run[0], &mut entries[..run.len()]) else {
-            break;
-        };
-        for (&page, &entry) in run.iter().zip(&entries[..got]) {
-            let Some(pfn) = entry.pfn() else {
-                continue;
-            };
-            if keep(entry, &|| flags.get(pfn).ok()) {
-                mapped.insert(page);
-            }
-        }
-    }
-    mapped
-}
-
-/// Whether /proc/kpageflags tells KSM pages apart: a page of rksm's own, anonymous and
-/// written, must not show `KPF_KSM`. Some kernels set it on every anonymous page (Debian
-/// 12's 6.12.117 package does); there rksm can tell a merged frame only by its being mapped
-/// more than once, which a frame shared by fork is too.
-pub fn ksm_flag_reliable() -> bool {
-    static RELIABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *RELIABLE.get_or_init(|| {
-        let mut page = vec![0u8; 2 * PAGE];
-        let addr = (page.as_mut_ptr() as u64).next_multiple_of(PAGE_SIZE);
-        // SAFETY: inside the vector, which lives until the end of this closure.
-        unsafe { (addr as *mut u8).write_volatile(1) };
-        let mut entry = [PagemapEntry(0)];
-        let flags = Pagemap::open(std::process::id())
-            .and_then(|pagemap| pagemap.read(addr, &mut entry))
-            .ok()
-            .and_then(|_| entry[0].pfn())
-            .and_then(|pfn| KpageFlags::open().ok()?.get(pfn).ok());
-        std::hint::black_box(&page);
-        flags.is_none_or(|f| !f.ksm())
-    })
-}
-
-/// Whether the host may give anonymous memory transparent huge pages (its setting is not
-/// `never`).
-pub fn thp_enabled() -> bool {
-    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
-        .is_ok_and(|s| !s.contains("[never]"))
-}
-
-/// One 64-bit entry of /proc/PID/pagemap (Documentation/admin-guide/mm/pagemap.rst).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PagemapEntry(pub u64);
-
-impl PagemapEntry {
-    const PRESENT: u64 = 1 << 63;
-    const SWAPPED: u64 = 1 << 62;
-    const FILE_OR_SHARED_ANON: u64 = 1 << 61;
-    const UFFD_WP: u64 = 1 << 57;
-    const SOFT_DIRTY: u64 = 1 << 55;
-    const EXCLUSIVE: u64 = 1 << 56;
-    const PFN_MASK: u64 = (1 << 55) - 1;
-
-    /// The page is in RAM.
-    pub fn present(self) -> bool {
-        self.0 & Self::PRESENT != 0
-    }
-    /// The page is in swap.
-    pub fn swapped(self) -> bool {
-        self.0 & Self::SWAPPED != 0
-    }
-    /// The page is file-backed or shared anonymous (not something rksm scans).
-    pub fn file_or_shared(self) -> bool {
-        self.0 & Self::FILE_OR_SHARED_ANON != 0
-    }
-    /// The PTE is userfaultfd write-protected.
-    pub fn uffd_wp(self) -> bool {
-        self.0 & Self::UFFD_WP != 0
-    }
-    /// Written since the last clear of the process's soft-dirty bits, or in a VMA created
-    /// or grown since (always clear without `CONFIG_MEM_SOFT_DIRTY`).
-    pub fn soft_dirty(self) -> bool {
-        self.0 & Self::SOFT_DIRTY != 0
-    }
-    /// The page is mapped exactly once (by this PTE): nobody shares it.
-    pub fn exclusive(self) -> bool {
-        self.0 & Self::EXCLUSIVE != 0
-    }
-    /// The page frame number, if present (zero without CAP_SYS_ADMIN).
-    pub fn pfn(self) -> Option<u64> {
-        (self.present() && !self.swapped()).then_some(self.0 & Self::PFN_MASK)
-    }
-}
-
-/// An open /proc/PID/pagemap.
-#[derive(Debug)]
-pub struct Pagemap {
-    pid: u32,
-    path: PathBuf,
-    file: File,
-}
-
-impl Pagemap {
-    /// Opens the pagemap of `pid`.
-    pub fn open(pid: u32) -> Result<Self, ProcfsError> {
-        let path = PathBuf::from(format!("/proc/{pid}/pagemap"));
-        let file = File::open(&path).map_err(|e| io_error(pid, path.clone(), e))?;
-        Ok(Pagemap { pid, path, file })
-    }
-
-    /// The runs of present pages in `start..end`, from the kernel's page-table walk: a
-    /// sparse mapping (a 1 TiB arena with a few pages touched) costs what its present pages
-    /// cost, not one pagemap entry per virtual page. Without PAGEMAP_SCAN (before Linux
-    /// 6.7), the whole range, to be read entry by entry.
-    pub fn present_runs(&self, start: u64, end: u64) -> Result<Vec<Range>, ProcfsError> {
-        let mut runs = Vec::new();
-        let scan = PageScan {
-            flags: 0,
-            category_mask: PAGE_IS_PRESENT,
-            return_mask: PAGE_IS_PRESENT,
-        };
-        match scan.walk(self.file.as_fd(), start, end, &mut |r| {
-            runs.push(Range::new(r.start, r.end))
-        }) {
-            Ok(()) => Ok(runs),
-            Err(nix::errno::Errno::ENOTTY | nix::errno::Errno::EINVAL) if runs.is_empty() => {
-                Ok(vec![Range::new(start, end)])
-            }
-            Err(e) => Err(io_error(self.pid, self.path.clone(), e.into())),
-        }
-    }
-
-    /// Fills `entries` with the entries of the pages starting at `start`; returns how many
-    /// were read (fewer near the end of the address space).
-    pub fn read(&self, start: u64, entries: &mut [PagemapEntry]) -> Result<usize, ProcfsError> {
-        let mut bytes = vec![0u8; entries.len() * 8];
-        let offset = start / PAGE_SIZE * 8;
-        let mut filled = 0;
-        while filled < bytes.len() {
-            match self
-                .file
-                .read_at(&mut bytes[filled..], offset + filled as u64)
-            {
-                Ok(0) => break,
-                Ok(n) => filled += n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(io_error(self.pid, self.path.clone(), e)),
-            }
-        }
-        let n = filled / 8;
-        for (entry, raw) in entries.iter_mut().zip(bytes.chunks_exact(8)).take(n) {
-            *entry = PagemapEntry(u64::from_ne_bytes(raw.try_into().expect("8 bytes")));
-        }
-        Ok(n)
-    }
-}
-
-/// Flags of one physical page from /proc/kpageflags (include/uapi/linux/kernel-page-flags.h).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct PageFlags(pub u64);
-
-impl PageFlags {
-    const KSM: u64 = 1 << 21;
-    const THP: u64 = 1 << 22;
-    const ZERO_PAGE: u64 = 1 << 24;
-
-    /// A KSM page: already merged.
-    pub fn ksm(self) -> bool {
-        self.0 & Self::KSM != 0
-    }
-    /// Part of a transparent huge page.
-    pub fn thp(self) -> bool {
-        self.0 & Self::THP != 0
-    }
-    /// The shared zero page (or huge zero page).
-    pub fn zero_page(self) -> bool {
-        self.0 & Self::ZERO_PAGE != 0
-    }
-}
-
-/// An open /proc/kpageflags (root only).
-pub struct KpageFlags {
-    file: File,
-}
-
-impl KpageFlags {
-    const PATH: &'static str = "/proc/kpageflags";
-
-    /// Opens /proc/kpageflags.
-    pub fn open() -> Result<Self, ProcfsError> {
-        let file = File::open(Self::PATH).map_err(|source| ProcfsError::Io {
-            path: Self::PATH.into(),
-            source,
-        })?;
-        Ok(KpageFlags { file })
-    }
-
-    /// The flags of page frame `pfn`.
-    pub fn get(&self, pfn: u64) -> Result<PageFlags, ProcfsError> {
-        let mut raw = [0u8; 8];
-        self.file
-            .read_exact_at(&mut raw, pfn * 8)
-            .map_err(|source| ProcfsError::Io {
-                path: Self::PATH.into(),
-                source,
-            })?;
-        Ok(PageFlags(u64::from_ne_bytes(raw)))
-    }
-}
-
 /// `text` with control characters written as `\xNN` (and `\` as `\\`): command names
 /// and cgroup paths are chosen by other users, and must not reach a terminal or a log as
 /// escape sequences.
@@ -645,7 +208,10 @@ pub fn printable(text: &str) -> std::borrow::Cow<'_, str> {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use rksm_common::{PAGE, PAGE_SIZE};
+
+    use super::{maps::parse_mergeable_ranges, *};
+    use crate::kernel::ranges::Range;
 
     #[test]
     fn mergeable_ranges_are_the_vmas_flagged_mg() {
