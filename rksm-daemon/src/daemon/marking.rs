@@ -144,6 +144,9 @@ impl Daemon {
             }
             target.settle_candidates();
         }
+        for target in self.targets.values_mut() {
+            target.forget_finds();
+        }
         for (pid, reason) in refusals {
             self.refuse_remote(pid, reason);
         }

@@ -6,9 +6,10 @@
 //! in it, and its counters. The rules that tie these together (a page that changes is no
 //! longer a verified duplicate, a write to a merged page is a copy-on-write break) are its
 //! methods, so no other file touches its fields. The daemon owns the records (with its own
-//! policy for each next to it) and lends them to the scan and the marking for a call. When a target is dropped, all
-//! of it goes at once: nothing about a process outlives its record, and since the record
-//! holds a pidfd, nothing in it can ever describe a later process that reuses the pid.
+//! policy for each next to it) and lends them to the scan and the marking for a call. When a
+//! target is dropped, all of it goes at once: nothing about a process outlives its record,
+//! and since the record holds a pidfd, nothing in it can ever describe a later process that
+//! reuses the pid.
 use serde::{Deserialize, Serialize};
 
 use crate::{
@@ -184,6 +185,12 @@ impl Target {
     /// earlier pass is left for this one's marking.
     pub fn refresh(&mut self) {
         self.skipped = false;
+        self.forget_finds();
+    }
+
+    /// Lets go of what the last pass found (the marking took what it needed): the VMAs it
+    /// saw are not kept between passes.
+    pub fn forget_finds(&mut self) {
         self.finds = Finds::default();
     }
 
