@@ -96,9 +96,9 @@ pub fn build(root: &Path, binary: &Path) -> Result<PathBuf> {
     set_mode(&bin, 0o755)?;
 
     let man = dir("usr/share/man/man1")?;
-    crate::run_checked(Command::new(&bin).arg("man").arg("--out-dir").arg(&man))?;
+    crate::build::run_checked(Command::new(&bin).arg("man").arg("--out-dir").arg(&man))?;
     for page in fs::read_dir(&man)? {
-        crate::run_checked(Command::new("gzip").arg("-9n").arg(page?.path()))?;
+        crate::build::run_checked(Command::new("gzip").arg("-9n").arg(page?.path()))?;
     }
     let bash = Command::new(&bin).args(["completions", "bash"]).output()?;
     if !bash.status.success() {
@@ -125,7 +125,7 @@ pub fn build(root: &Path, binary: &Path) -> Result<PathBuf> {
     let doc = dir("usr/share/doc/rksm")?;
     fs::write(doc.join("copyright"), COPYRIGHT)?;
     fs::write(doc.join("changelog"), changelog(&version))?;
-    crate::run_checked(Command::new("gzip").arg("-9n").arg(doc.join("changelog")))?;
+    crate::build::run_checked(Command::new("gzip").arg("-9n").arg(doc.join("changelog")))?;
     fs::copy(
         packaging.join("rksm-daemonset.yaml"),
         dir("usr/share/doc/rksm/examples")?.join("rksm-daemonset.yaml"),
@@ -144,7 +144,7 @@ pub fn build(root: &Path, binary: &Path) -> Result<PathBuf> {
     fs::write(debian.join("md5sums"), md5sums(&tree)?)?;
 
     let deb = out.join(format!("rksm_{version}_amd64.deb"));
-    crate::run_checked(
+    crate::build::run_checked(
         Command::new("dpkg-deb")
             .args(["--root-owner-group", "-Zxz", "--build"])
             .arg(&tree)
@@ -254,7 +254,7 @@ fn check(out: &Path, deb: &Path, version: &str) -> Result<()> {
     fs::write(admin.join("status"), "")?;
     // Without a chroot: the scratch root has no shell; the scripts see DPKG_ROOT and leave
     // this machine's systemd alone. It has no libc6 package either, only this machine's.
-    crate::run_checked(
+    crate::build::run_checked(
         Command::new("dpkg")
             .arg(format!("--root={}", scratch.display()))
             .args([
@@ -292,7 +292,7 @@ fn check(out: &Path, deb: &Path, version: &str) -> Result<()> {
     if !status.contains("Package: rksm") || !status.contains("Status: install ok installed") {
         bail!("dpkg does not list rksm as installed in the scratch root");
     }
-    crate::run_checked(Command::new("dpkg-deb").arg("--info").arg(deb))?;
+    crate::build::run_checked(Command::new("dpkg-deb").arg("--info").arg(deb))?;
     lintian(deb)
 }
 
@@ -300,12 +300,12 @@ fn check(out: &Path, deb: &Path, version: &str) -> Result<()> {
 /// remain. Where it cannot be had, says so and passes.
 fn lintian(deb: &Path) -> Result<()> {
     if Command::new("lintian").arg("--version").output().is_err()
-        && crate::apt_install(&["lintian"]).is_err()
+        && crate::setup::apt_install(&["lintian"]).is_err()
     {
         eprintln!("xtask: lintian is not installed and could not be: not run");
         return Ok(());
     }
-    crate::run_checked(
+    crate::build::run_checked(
         Command::new("lintian")
             .args(["--fail-on", "error,warning", "--suppress-tags"])
             // A package built outside a Debian source tree, uploaded nowhere.

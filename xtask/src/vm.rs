@@ -98,7 +98,7 @@ pub fn fetch_linux_612(root: &Path) -> Result<()> {
     let dir = kernels_dir(root).join("6.12");
     fs::create_dir_all(&dir)?;
     eprintln!("xtask: downloading {package} (the matrix's Linux 6.12)");
-    crate::run_checked(
+    crate::build::run_checked(
         Command::new("apt-get")
             .args(["download", &package])
             .current_dir(&dir),
@@ -108,7 +108,7 @@ pub fn fetch_linux_612(root: &Path) -> Result<()> {
         .map(|e| e.path())
         .find(|p| p.extension().is_some_and(|e| e == "deb"))
         .context("apt-get download left no .deb")?;
-    crate::run_checked(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&dir))?;
+    crate::build::run_checked(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&dir))?;
     // Only the image is booted; the modules are not needed.
     let _ = fs::remove_dir_all(dir.join("lib"));
     let _ = fs::remove_dir_all(dir.join("usr"));
@@ -269,8 +269,8 @@ fn boot_tests(image: &Path, initrd: &Path) -> Result<(Outcome, bool)> {
             panicked = true;
         }
         if let Some(result) = line.strip_prefix("test result: ") {
-            outcome.passed += crate::count_before(result, " passed");
-            outcome.failed += crate::count_before(result, " failed");
+            outcome.passed += crate::testing::count_before(result, " passed");
+            outcome.failed += crate::testing::count_before(result, " failed");
         } else if let Some(rest) = line.strip_prefix("rksm-vm: suite ") {
             if let Some((suite, status)) = rest.split_once(" exit ") {
                 if status.trim() != "0" {
@@ -334,7 +334,7 @@ pub fn rksm(root: &Path, kernel: Kernel, args: &[String]) -> Result<String> {
 
 /// Builds the test binaries and returns each suite's executable.
 fn test_binaries(root: &Path, ebpf_object: &Path) -> Result<Vec<(&'static Suite, PathBuf)>> {
-    let mut cmd = crate::cargo();
+    let mut cmd = crate::build::cargo();
     cmd.args([
         "test",
         "--workspace",
@@ -439,8 +439,8 @@ fn initramfs(
         let dir = root.join(krate);
         add_dirs(&mut cpio, &mut dirs, &dir.to_string_lossy());
     }
-    crate::newc_entry(&mut cpio, "dev/console", 0o020_600, (5, 1), &[]);
-    crate::newc_entry(
+    crate::build::newc_entry(&mut cpio, "dev/console", 0o020_600, (5, 1), &[]);
+    crate::build::newc_entry(
         &mut cpio,
         "etc/passwd",
         0o100_644,
@@ -452,11 +452,11 @@ fn initramfs(
             add_dirs(&mut cpio, &mut dirs, &parent.to_string_lossy());
         }
         let data = fs::read(from).with_context(|| format!("reading {}", from.display()))?;
-        crate::newc_entry(&mut cpio, inside, 0o100_755, (0, 0), &data);
+        crate::build::newc_entry(&mut cpio, inside, 0o100_755, (0, 0), &data);
     }
     let init = format!("{INIT_HEAD}{body}echo 'rksm-vm: done'\npoweroff -f\n");
-    crate::newc_entry(&mut cpio, "init", 0o100_755, (0, 0), init.as_bytes());
-    crate::newc_entry(&mut cpio, "TRAILER!!!", 0, (0, 0), &[]);
+    crate::build::newc_entry(&mut cpio, "init", 0o100_755, (0, 0), init.as_bytes());
+    crate::build::newc_entry(&mut cpio, "TRAILER!!!", 0, (0, 0), &[]);
     let dir = root.join("target/vm");
     fs::create_dir_all(&dir)?;
     let path = dir.join(format!("{name}.cpio"));
@@ -486,7 +486,7 @@ fn add_dirs(cpio: &mut Vec<u8>, dirs: &mut BTreeSet<String>, dir: &str) {
         }
         at.push_str(part);
         if dirs.insert(at.clone()) {
-            crate::newc_entry(cpio, &at, 0o040_755, (0, 0), &[]);
+            crate::build::newc_entry(cpio, &at, 0o040_755, (0, 0), &[]);
         }
     }
 }
