@@ -31,14 +31,14 @@ impl Adopted {
         }
     }
 
-    /// The engine's record, and the contents its domain claimed through it, together.
-    pub(super) fn target_and_owned(&mut self) -> (&Target, &mut KeySet) {
-        (&self.target, &mut self.owned)
-    }
-
     /// The contents its domain claimed through it.
     pub(super) fn owned(&self) -> &KeySet {
         &self.owned
+    }
+
+    /// The contents its domain claimed through it, to claim more.
+    pub(super) fn owned_mut(&mut self) -> &mut KeySet {
+        &mut self.owned
     }
 
     /// Its back-off.

@@ -91,10 +91,9 @@ impl Daemon {
         let mut refusals = Vec::new();
         // Contents already merged somewhere belong to that process's domain.
         for target in self.targets.values_mut() {
-            let sums = target.take_ksm_checksums_found();
-            let (target, owned) = target.target_and_owned();
+            let (sums, domain) = (target.take_ksm_checksums_found(), target.domain());
             for sum in sums {
-                self.domains.claim(sum, target.domain(), owned);
+                self.domains.claim(sum, domain, target.owned_mut());
             }
         }
         let allow_gaps = self.domains.count() <= 1;
@@ -118,7 +117,7 @@ impl Daemon {
                     continue;
                 }
                 // Decided from this domain's own history only.
-                if self.domains.claim(sum, domain, target.target_and_owned().1) {
+                if self.domains.claim(sum, domain, target.owned_mut()) {
                     mine.push(page);
                 }
             }

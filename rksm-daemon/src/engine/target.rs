@@ -324,8 +324,7 @@ impl Target {
     /// Its candidates not yet marked, with their checksums, in address order (those marked
     /// meanwhile, by it or by rksm, leave).
     pub fn unmarked_candidates(&mut self) -> Vec<(u64, u64)> {
-        let marked = &self.marked;
-        self.candidates.retain(|&page, _| !marked.contains(page));
+        self.drop_marked_candidates();
         let mut pages: Vec<(u64, u64)> = self.candidates.iter().map(|(&p, &s)| (p, s)).collect();
         pages.sort_unstable();
         pages
@@ -334,11 +333,17 @@ impl Target {
     /// After marking: the candidates now marked leave. A first pass's many are marked at
     /// once, so their table is not kept at its size.
     pub fn settle_candidates(&mut self) {
-        let marked = &self.marked;
-        self.candidates.retain(|&page, _| !marked.contains(page));
+        self.drop_marked_candidates();
         if self.candidates.capacity() > 4 * self.candidates.len() + 1024 {
             self.candidates.shrink_to_fit();
         }
+    }
+
+    /// Candidates that are marked now (by rksm, or by the process itself) are candidates no
+    /// longer.
+    fn drop_marked_candidates(&mut self) {
+        let marked = &self.marked;
+        self.candidates.retain(|&page, _| !marked.contains(page));
     }
 
     /// Its counters after a pass in which `volatile` of its pages changed, `hashed` were read
