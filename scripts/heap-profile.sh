@@ -2,14 +2,18 @@
 # Where rksm's heap goes once it has converged: starts the four workloads of PROFILE, runs
 # the daemon under heaptrack, kills it after pass PASSES (so what is live then is what
 # heaptrack calls leaked), and prints the live heap by the two innermost rksm frames that
-# allocated it, with rksm's VmRSS and VmHWM at that moment.
+# allocated it, with rksm's VmRSS and VmHWM at that moment. With `maps` as third argument it
+# runs the daemon as it is (no heaptrack, which has an allocator of its own) and prints its
+# resident memory by mapping instead: the heap, the tracer's ring, the program's own pages.
 #
 #   cargo xtask build && sudo scripts/heap-profile.sh quarter-16g 8
+#   cargo xtask build && sudo scripts/heap-profile.sh quarter-16g 8 maps
 #
 # Needs heaptrack (apt install heaptrack) and python3.
 set -eu
 profile=${1:-quarter-4g}
 passes=${2:-8}
+what=${3:-heap}
 rksm=${RKSM:-target/release/rksm}
 dir=$(mktemp -d)
 trap 'kill $(cat "$dir"/w*.pid) 2>/dev/null || true; rm -rf "$dir"' EXIT
@@ -25,6 +29,28 @@ for i in 0 1 2 3; do
     until grep -q ready "$dir/w$i.out" 2>/dev/null; do sleep 0.2; done
     pids="$pids --pid $(cat "$dir/w$i.pid")"
 done
+if [ "$what" = maps ]; then
+    # shellcheck disable=SC2086
+    "$rksm" --no-config daemon $pids --dirty ebpf --interval 1 --passes 1000 \
+        2>"$dir/daemon.err" >/dev/null &
+    until grep -q "pass $passes " "$dir/daemon.err" 2>/dev/null; do sleep 0.5; done
+    daemon=$(pgrep -f "^$rksm --no-config daemon" | head -1)
+    grep -E "VmRSS|VmHWM|RssAnon|RssFile" "/proc/$daemon/status"
+    python3 - "/proc/$daemon/smaps" <<'PY'
+import collections, sys
+rss, name = collections.Counter(), None
+for line in open(sys.argv[1]):
+    fields = line.split()
+    if "-" in fields[0] and not fields[0].endswith(":"):
+        name = fields[5] if len(fields) > 5 else "[anonymous]"
+    elif fields[0] == "Rss:":
+        rss[name] += int(fields[1])
+for name, kib in rss.most_common(8):
+    print(f"{kib / 1024:8.1f} MiB  {name}")
+PY
+    kill "$daemon"
+    exit 0
+fi
 # shellcheck disable=SC2086
 heaptrack -o "$dir/heap" "$rksm" --no-config daemon $pids --dirty ebpf --interval 1 \
     --passes 1000 2>"$dir/daemon.err" >/dev/null &

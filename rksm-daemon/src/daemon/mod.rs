@@ -81,7 +81,7 @@ const SHORT_OF_FILES_WARN_EVERY: Duration = Duration::from_secs(60);
 const RELEASE_AFTER_DUPLICATES: u64 = 32 * 1024;
 
 /// How often, at most, the daemon drains the tracer's ring between passes.
-pub const DRAIN_EVERY: Duration = Duration::from_millis(100);
+pub const DRAIN_EVERY: Duration = Duration::from_millis(50);
 
 pub use crate::engine::dirty::DirtyMode;
 
@@ -372,6 +372,7 @@ impl Daemon {
             true => NewPages::Sample,
             false => NewPages::Read,
         };
+        let several = config.several_domains;
         let mut daemon = Daemon {
             marker: Marker::new(config.policy),
             config,
@@ -380,7 +381,7 @@ impl Daemon {
             recorder,
             targets: BTreeMap::new(),
             refusals: Refusals::default(),
-            domains: Domains::default(),
+            domains: Domains::new(several),
             stats: DaemonStats {
                 dirty_mode: mode,
                 new_pages,

@@ -263,11 +263,11 @@ impl Tracer {
     }
 
     /// Whether a reader polling [`Tracer::records_fd`] is woken for the first record after
-    /// it caught up (`at_once`, the ring's own rule), or only once a quarter of the ring
+    /// it caught up (`at_once`, the ring's own rule), or only once an eighth of the ring
     /// waits unread: enough to drain it before it fills, and no wake-up per write for a
     /// reader that needs the records only at its next pass.
     pub fn wake_at_once(&mut self, at_once: bool) -> Result<(), TracerError> {
-        let wake_at = if at_once { 0 } else { self.ring_bytes / 4 };
+        let wake_at = if at_once { 0 } else { self.ring_bytes / 8 };
         if wake_at != self.wake_at {
             self.wake
                 .set(0, wake_at, 0)

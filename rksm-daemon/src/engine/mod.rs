@@ -5,7 +5,7 @@
 //! them in the target's [`pages`] and places them in the [`index`] (both kept from pass to
 //! pass), and [`merge`] turns verified duplicates into marked ranges.
 //! Address ranges come from [`crate::kernel::ranges`]; maps keyed by checksums and page
-//! addresses hash with [`keys`].
+//! addresses hash with [`keys`]; the tables with an entry for most pages are [`table`]s.
 
 pub mod checksum;
 pub mod dirty;
@@ -16,5 +16,6 @@ pub mod merge;
 pub mod pages;
 pub mod samples;
 pub mod scan;
+pub mod table;
 pub mod target;
 pub mod targets;

@@ -2,7 +2,7 @@
 //! merge domain shares.
 //!
 //! Per digest it counts the pages read whole that have it and the pages only sampled that
-//! have it. Most digests are one page's, only sampled: those are one `u32` in a set (5 bytes a
+//! have it. Most digests are one page's, only sampled: those are one `u32` in a set (4 bytes a
 //! digest in the table), and only the others carry their counts. A new page whose digest is
 //! not kept is only sampled: never copied, never checksummed, never in the
 //! [`Index`](super::index::Index). One whose digest is kept is read whole, and so are the
@@ -16,7 +16,7 @@ use std::{
     hash::BuildHasherDefault,
 };
 
-use super::{keys::KeyHasher, pages::DigestChange};
+use super::{keys::KeyHasher, pages::DigestChange, table::DigestSet};
 
 /// Bits of an entry: pages read whole (saturating), pages only sampled (saturating), and
 /// whether pages of the digest are being read whole this pass (not counted yet). A count that
@@ -56,7 +56,7 @@ const LONE: u32 = 1 << READ_BITS;
 #[derive(Debug, Default)]
 pub struct SampleIndex {
     /// Every digest kept.
-    digests: HashSet<u32, BuildHasherDefault<KeyHasher>>,
+    digests: DigestSet,
     /// The entries of the digests kept that are not [`LONE`].
     counts: HashMap<u32, u32, BuildHasherDefault<KeyHasher>>,
     /// Digests whose pages only sampled are to be read whole at the next look for them.
@@ -87,7 +87,7 @@ impl SampleIndex {
     fn entry(&self, digest: u32) -> u32 {
         match self.counts.get(&digest) {
             Some(&v) => v,
-            None if self.digests.contains(&digest) => LONE,
+            None if self.digests.contains(digest) => LONE,
             None => 0,
         }
     }
@@ -96,7 +96,7 @@ impl SampleIndex {
     fn set(&mut self, digest: u32, v: u32) {
         match v {
             0 => {
-                self.digests.remove(&digest);
+                self.digests.remove(digest);
                 self.counts.remove(&digest);
             }
             LONE => {

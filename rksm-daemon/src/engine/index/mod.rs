@@ -13,8 +13,8 @@
 //! Each checksum leads to *content classes*: pages whose contents were compared equal, byte
 //! for byte. A checksum only says where to look; a page joins a class only after its content
 //! compares equal to the class's representative, so a collision (crc32c has one in ~78,000
-//! random pages) costs a comparison, never a wrong answer. A content held by one page costs
-//! 24 bytes of hash table; a class with more pages holds them in a list, or a set once large.
+//! random pages) costs a comparison, never a wrong answer. How contents and classes are laid
+//! out in memory is [`classes`]'s.
 //!
 //! To compare, the index reads the representative's content from its process through a
 //! [`ContentSource`] (a bounded cache keeps the ones compared again and again). A
@@ -22,17 +22,21 @@
 //! leaves its class and is reported in [`Index::take_stale`], so that its owner hashes it
 //! again: the index never holds a page under a checksum it is known not to have.
 
-use std::collections::{hash_map::Entry, HashMap, HashSet, VecDeque};
+mod cache;
+mod classes;
+
+use std::collections::hash_map::Entry;
 
 use rksm_common::PAGE;
 
+use self::{
+    cache::RepCache,
+    classes::{Class, Classes, Single},
+};
 use crate::engine::{
     checksum::{ChecksumKind, PageChecksum},
-    keys::{BuildKeyHasher, KeyMap},
+    keys::KeyMap,
 };
-
-/// A class's page list becomes a set past this many pages, so leaving it stays O(1).
-const FEW: usize = 32;
 
 /// One page of one process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -90,158 +94,6 @@ pub struct TopContent {
     pub pids: Vec<u32>,
 }
 
-/// The pages of a class.
-#[derive(Debug, Clone)]
-enum Members {
-    Few(Vec<PageRef>),
-    Many {
-        rep: PageRef,
-        all: HashSet<PageRef, BuildKeyHasher>,
-    },
-}
-
-impl Members {
-    fn len(&self) -> usize {
-        match self {
-            Members::Few(v) => v.len(),
-            Members::Many { all, .. } => all.len(),
-        }
-    }
-
-    fn rep(&self) -> Option<PageRef> {
-        match self {
-            Members::Few(v) => v.first().copied(),
-            Members::Many { rep, .. } => Some(*rep),
-        }
-    }
-
-    fn add(&mut self, page: PageRef) {
-        match self {
-            Members::Few(v) if v.len() < FEW => v.push(page),
-            Members::Few(v) => {
-                let rep = v[0];
-                let mut all: HashSet<PageRef, BuildKeyHasher> = v.drain(..).collect();
-                all.insert(page);
-                *self = Members::Many { rep, all };
-            }
-            Members::Many { all, .. } => {
-                all.insert(page);
-            }
-        }
-    }
-
-    fn remove(&mut self, page: PageRef) -> bool {
-        match self {
-            Members::Few(v) => match v.iter().position(|&p| p == page) {
-                Some(i) => {
-                    v.remove(i);
-                    true
-                }
-                None => false,
-            },
-            Members::Many { rep, all } => {
-                if !all.remove(&page) {
-                    return false;
-                }
-                if *rep == page {
-                    if let Some(&next) = all.iter().next() {
-                        *rep = next;
-                    }
-                }
-                true
-            }
-        }
-    }
-
-    fn contains(&self, page: PageRef) -> bool {
-        match self {
-            Members::Few(v) => v.contains(&page),
-            Members::Many { all, .. } => all.contains(&page),
-        }
-    }
-
-    fn iter(&self) -> Box<dyn Iterator<Item = PageRef> + '_> {
-        match self {
-            Members::Few(v) => Box::new(v.iter().copied()),
-            Members::Many { all, .. } => Box::new(all.iter().copied()),
-        }
-    }
-}
-
-/// Pages with one content (compared equal).
-#[derive(Debug, Clone)]
-struct Class {
-    members: Members,
-    stable: bool,
-    zero: bool,
-}
-
-/// A content held by one page: 16 bytes.
-#[derive(Debug, Clone, Copy)]
-struct Single {
-    addr: u64,
-    pid: u32,
-    stable: bool,
-    zero: bool,
-}
-
-impl Single {
-    fn page(self) -> PageRef {
-        PageRef {
-            pid: self.pid,
-            addr: self.addr,
-        }
-    }
-
-    fn class(self) -> Class {
-        Class {
-            members: Members::Few(vec![self.page()]),
-            stable: self.stable,
-            zero: self.zero,
-        }
-    }
-}
-
-/// Representative contents kept in memory, first in first out.
-#[derive(Debug, Default)]
-struct RepCache {
-    pages: HashMap<PageRef, Box<[u8; PAGE]>, BuildKeyHasher>,
-    order: VecDeque<PageRef>,
-    capacity: usize,
-}
-
-impl RepCache {
-    fn insert(&mut self, page: PageRef, content: &[u8; PAGE]) {
-        if self.capacity == 0 || self.pages.contains_key(&page) {
-            return;
-        }
-        // The oldest content's memory holds the new one: no allocation once the cache is full.
-        let mut spare = None;
-        while self.order.len() >= self.capacity {
-            match self.order.pop_front() {
-                Some(old) => spare = self.pages.remove(&old).or(spare),
-                None => break,
-            }
-        }
-        let mut slot = spare.unwrap_or_else(|| Box::new([0; PAGE]));
-        slot.copy_from_slice(content);
-        self.pages.insert(page, slot);
-        self.order.push_back(page);
-    }
-
-    fn forget(&mut self, page: PageRef) {
-        if self.pages.remove(&page).is_some() {
-            self.order.retain(|&p| p != page);
-        }
-    }
-
-    /// Drops every content kept, and the memory that held them.
-    fn clear(&mut self) {
-        self.pages = HashMap::default();
-        self.order = VecDeque::new();
-    }
-}
-
 static ZERO_PAGE: [u8; PAGE] = [0; PAGE];
 
 /// The page being placed, with its content loaded at most once.
@@ -292,7 +144,8 @@ enum Compared {
 /// Where a content was found.
 enum Found {
     Single,
-    Class(usize),
+    /// The class in this slot.
+    Class(u32),
 }
 
 enum Lookup {
@@ -308,8 +161,8 @@ pub struct Index {
     zero_checksum: u64,
     /// Contents held by one page (by far the most), each alone under its checksum.
     singles: KeyMap<Single>,
-    /// Checksums with a class of several pages, or several classes (collisions).
-    groups: KeyMap<Vec<Class>>,
+    /// Contents of several pages, and contents whose checksum another content has too.
+    classes: Classes,
     cache: RepCache,
     /// Pages in the index.
     pages: u64,
@@ -340,11 +193,8 @@ impl Index {
             hash,
             zero_checksum: hash(&ZERO_PAGE),
             singles: KeyMap::default(),
-            groups: KeyMap::default(),
-            cache: RepCache {
-                capacity: cache_pages,
-                ..RepCache::default()
-            },
+            classes: Classes::default(),
+            cache: RepCache::new(cache_pages),
             pages: 0,
             contents: 0,
             stale: Vec::new(),
@@ -427,8 +277,8 @@ impl Index {
                         let s = self.singles[&checksum];
                         (s.page(), s.stable)
                     }
-                    Found::Class(i) => {
-                        let c = &self.groups[&checksum][*i];
+                    Found::Class(slot) => {
+                        let c = self.classes.get(*slot);
                         (c.members.rep().unwrap_or(page), c.stable)
                     }
                 };
@@ -466,63 +316,50 @@ impl Index {
             }
             return false;
         }
-        let Some(classes) = self.groups.get_mut(&checksum) else {
+        let Some(slot) = self
+            .classes
+            .slots(checksum)
+            .find(|&slot| self.classes.get(slot).members.contains(page))
+        else {
             return false;
         };
-        let Some(i) = classes.iter_mut().position(|c| c.members.remove(page)) else {
-            return false;
-        };
+        let members = &mut self.classes.get_mut(slot).members;
+        members.remove(page);
         self.pages -= 1;
-        if classes[i].members.len() == 0 {
-            classes.swap_remove(i);
+        if members.len() == 0 {
+            self.classes.take(checksum, slot);
             self.contents -= 1;
         }
         self.tidy(checksum);
         true
     }
 
-    /// Keeps a checksum with one class of one page in `singles`, and none empty.
+    /// Keeps a checksum with one class of one page in `singles`.
     fn tidy(&mut self, checksum: u64) {
-        let Some(classes) = self.groups.get(&checksum) else {
+        let mut slots = self.classes.slots(checksum);
+        let (Some(only), None) = (slots.next(), slots.next()) else {
             return;
         };
-        match classes.as_slice() {
-            [] => {
-                self.groups.remove(&checksum);
-            }
-            [only] if only.members.len() == 1 => {
-                let (stable, zero) = (only.stable, only.zero);
-                if let Some(page) = only.members.rep() {
-                    self.singles.insert(
-                        checksum,
-                        Single {
-                            addr: page.addr,
-                            pid: page.pid,
-                            stable,
-                            zero,
-                        },
-                    );
-                }
-                self.groups.remove(&checksum);
-            }
-            _ => {}
+        drop(slots);
+        if self.classes.get(only).members.len() != 1 {
+            return;
+        }
+        let class = self.classes.take(checksum, only);
+        if let Some(page) = class.members.rep() {
+            self.singles
+                .insert(checksum, Single::new(page, class.stable, class.zero));
         }
     }
 
     fn insert(&mut self, checksum: u64, page: PageRef, stable: bool, zero: bool) {
         self.pages += 1;
         self.contents += 1;
-        let single = Single {
-            addr: page.addr,
-            pid: page.pid,
-            stable,
-            zero,
-        };
+        let single = Single::new(page, stable, zero);
         if let Some(old) = self.singles.remove(&checksum) {
-            self.groups
-                .insert(checksum, vec![old.class(), single.class()]);
-        } else if let Some(classes) = self.groups.get_mut(&checksum) {
-            classes.push(single.class());
+            self.classes.add(checksum, old.class());
+            self.classes.add(checksum, single.class());
+        } else if self.classes.holds(checksum) {
+            self.classes.add(checksum, single.class());
         } else {
             self.singles.insert(checksum, single);
         }
@@ -536,14 +373,13 @@ impl Index {
                     let mut class = single.class();
                     class.members.add(page);
                     class.stable |= ksm;
-                    self.groups.insert(checksum, vec![class]);
+                    self.classes.add(checksum, class);
                 }
             }
-            Found::Class(i) => {
-                if let Some(class) = self.groups.get_mut(&checksum).and_then(|c| c.get_mut(i)) {
-                    class.members.add(page);
-                    class.stable |= ksm;
-                }
+            Found::Class(slot) => {
+                let class = self.classes.get_mut(slot);
+                class.members.add(page);
+                class.stable |= ksm;
             }
         }
     }
@@ -561,7 +397,7 @@ impl Index {
         src: &mut dyn ContentSource,
         buf: &mut [u8; PAGE],
     ) -> Compared {
-        let cached = zero || self.cache.pages.contains_key(&rep);
+        let cached = zero || self.cache.contains(&rep);
         if !(cached || src.read(rep, buf) && (self.hash)(&buf[..]) == checksum) {
             self.remove(rep, checksum);
             self.stale.push(rep);
@@ -570,7 +406,7 @@ impl Index {
         let Some(mine) = page.content(src, self.hash, checksum) else {
             return Compared::PageGone;
         };
-        let theirs: &[u8] = match self.cache.pages.get(&rep) {
+        let theirs: &[u8] = match self.cache.get(&rep) {
             _ if zero => &ZERO_PAGE,
             Some(content) => &content[..],
             None => &buf[..],
@@ -613,33 +449,29 @@ impl Index {
                 Compared::Different | Compared::RepresentativeGone => Lookup::Missing,
             };
         }
-        let mut i = 0;
-        loop {
-            let Some(class) = self.groups.get(&checksum).and_then(|c| c.get(i)) else {
-                return Lookup::Missing;
-            };
+        // Classes are looked at by their rank among the checksum's: the index changes as
+        // representatives found stale leave it.
+        let mut rank = 0;
+        while let Some(slot) = self.classes.nth(checksum, rank) {
+            rank += 1;
+            let class = self.classes.get(slot);
             let zero = class.zero;
             let Some(rep) = class.members.rep() else {
-                i += 1;
                 continue;
             };
             match self.compare_with(rep, zero, checksum, page, src, buf) {
-                Compared::Equal => return Lookup::Found(Found::Class(i)),
+                Compared::Equal => return Lookup::Found(Found::Class(slot)),
                 Compared::PageGone => return Lookup::Vanished,
-                Compared::Different => i += 1,
+                Compared::Different => {}
+                // The representative left: its class's next page stands for it, or the class
+                // went, or the checksum moved to `singles`. Look again from the start (each
+                // time round one page has left, so this ends).
                 Compared::RepresentativeGone => {
-                    // The representative left; the class's next page stands for it (the
-                    // loop looks at the same class again).
-                    if self.groups.get(&checksum).is_none_or(|c| c.len() <= i) {
-                        // The class went, or the checksum moved to `singles`.
-                        if self.singles.contains_key(&checksum) {
-                            return self.find_with(checksum, page, src, buf);
-                        }
-                        return Lookup::Missing;
-                    }
+                    return self.find_with(checksum, page, src, buf);
                 }
             }
         }
+        Lookup::Missing
     }
 
     /// The representative a page with `checksum` would be compared with first, if one is
@@ -650,11 +482,11 @@ impl Index {
         let (rep, zero) = match self.singles.get(&checksum) {
             Some(single) => (single.page(), single.zero),
             None => {
-                let class = self.groups.get(&checksum)?.first()?;
+                let class = self.classes.get(self.classes.slots(checksum).next()?);
                 (class.members.rep()?, class.zero)
             }
         };
-        (!zero && !self.cache.pages.contains_key(&rep)).then_some(rep)
+        (!zero && !self.cache.contains(&rep)).then_some(rep)
     }
 
     /// Another page of the class `page` is in under `checksum` (its representative if that
@@ -662,9 +494,9 @@ impl Index {
     /// in its class. No content is read: pages leave the index when they are written.
     pub fn company(&self, page: PageRef, checksum: u64) -> Option<PageRef> {
         let class = self
-            .groups
-            .get(&checksum)?
-            .iter()
+            .classes
+            .slots(checksum)
+            .map(|slot| self.classes.get(slot))
             .find(|c| c.members.len() > 1 && c.members.contains(page))?;
         match class.members.rep() {
             Some(rep) if rep != page => Some(rep),
@@ -674,7 +506,7 @@ impl Index {
 
     /// Whether a page with `checksum` will be compared with a page of the index.
     pub fn holds(&self, checksum: u64) -> bool {
-        self.singles.contains_key(&checksum) || self.groups.contains_key(&checksum)
+        self.singles.contains_key(&checksum) || self.classes.holds(checksum)
     }
 
     /// Keeps `content`, read just now, as representative `rep`'s, if it still has `checksum`
@@ -696,9 +528,8 @@ impl Index {
     /// The `n` contents with the most copies, most first.
     pub fn top(&self, n: usize) -> Vec<TopContent> {
         let mut all: Vec<(u64, &Class)> = self
-            .groups
+            .classes
             .iter()
-            .flat_map(|(&sum, classes)| classes.iter().map(move |c| (sum, c)))
             .filter(|(_, c)| c.members.len() > 1)
             .collect();
         all.sort_unstable_by(|a, b| {
@@ -728,6 +559,7 @@ impl Index {
 mod tests {
     use super::*;
     use crate::engine::checksum::NO_CHECKSUM;
+    use std::collections::HashMap;
 
     /// A simulated address space: page → content, with a read counter.
     #[derive(Default)]
@@ -871,7 +703,7 @@ mod tests {
         );
         assert!(index.remove(b, sum) && index.remove(c, sum));
         assert_eq!(index.counts(), (0, 0));
-        assert!(index.singles.is_empty() && index.groups.is_empty());
+        assert!(index.singles.is_empty() && index.classes.is_empty());
     }
 
     #[test]
@@ -884,8 +716,8 @@ mod tests {
         }
         assert_eq!(index.counts(), (1000, 1));
         assert!(matches!(
-            index.groups[&WEAK][0].members,
-            Members::Many { .. }
+            index.classes.iter().next().map(|(_, class)| &class.members),
+            Some(classes::Members::Many(_))
         ));
         for &p in &pages[..999] {
             assert!(index.remove(p, WEAK));
@@ -1069,10 +901,5 @@ mod tests {
         );
         assert_eq!(mem.reads, 0);
         assert!(index.top(1)[0].zero);
-    }
-
-    #[test]
-    fn a_content_held_by_one_page_is_16_bytes() {
-        assert_eq!(size_of::<Single>(), 16);
     }
 }

@@ -1,0 +1,405 @@
+//! Where the index keeps its contents: one page's alone, several pages' as a class.
+//!
+//! Once duplicates abound, classes are most of what rksm holds: one per duplicated content,
+//! for as long as its copies stay merged. So a class is laid out for its usual size, a few
+//! pages: up to four sit in the class itself, twelve bytes a page, and a class moves its pages
+//! to a list, then a set, only as it grows. Classes live in one vector of slots rather than
+//! one allocation each, a class keeping its checksum, and the table that finds them holds
+//! slots alone ([`Table`], four bytes an entry): one entry per class, several for a checksum
+//! that several contents have (a collision, rare). A class that goes leaves its slot to the
+//! next one made. Contents held by one page, by far the most when new pages are read whole,
+//! are kept apart in 16 bytes each.
+
+use std::collections::HashSet;
+
+use super::PageRef;
+use crate::engine::{
+    keys::BuildKeyHasher,
+    table::{mix, Table},
+};
+
+/// Pages held in the class itself.
+const INLINE: usize = 4;
+/// A class's page list becomes a set past this many pages, so leaving it stays O(1).
+const FEW: usize = 32;
+
+/// A page in twelve bytes: a pid and an address in two halves (a `u64` would align it to 16).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(super) struct Packed {
+    pid: u32,
+    low: u32,
+    high: u32,
+}
+
+impl From<PageRef> for Packed {
+    fn from(page: PageRef) -> Self {
+        Packed {
+            pid: page.pid,
+            low: page.addr as u32,
+            high: (page.addr >> 32) as u32,
+        }
+    }
+}
+
+impl From<Packed> for PageRef {
+    fn from(page: Packed) -> Self {
+        PageRef {
+            pid: page.pid,
+            addr: (u64::from(page.high) << 32) | u64::from(page.low),
+        }
+    }
+}
+
+/// The pages of a class, the first of them its representative.
+#[derive(Debug, Clone)]
+pub(super) enum Members {
+    /// Up to [`INLINE`] pages, in order.
+    Inline { len: u8, pages: [Packed; INLINE] },
+    /// Up to [`FEW`] pages, in order.
+    Few(Vec<PageRef>),
+    /// More, with the representative apart.
+    Many(Box<ManyPages>),
+}
+
+/// The pages of a large class.
+#[derive(Debug, Clone)]
+pub(super) struct ManyPages {
+    rep: PageRef,
+    all: HashSet<PageRef, BuildKeyHasher>,
+}
+
+impl Members {
+    /// One page.
+    fn one(page: PageRef) -> Self {
+        let mut pages = [Packed::default(); INLINE];
+        pages[0] = page.into();
+        Members::Inline { len: 1, pages }
+    }
+
+    pub(super) fn len(&self) -> usize {
+        match self {
+            Members::Inline { len, .. } => usize::from(*len),
+            Members::Few(v) => v.len(),
+            Members::Many(many) => many.all.len(),
+        }
+    }
+
+    pub(super) fn rep(&self) -> Option<PageRef> {
+        match self {
+            Members::Inline { len: 0, .. } => None,
+            Members::Inline { pages, .. } => Some(pages[0].into()),
+            Members::Few(v) => v.first().copied(),
+            Members::Many(many) => Some(many.rep),
+        }
+    }
+
+    pub(super) fn add(&mut self, page: PageRef) {
+        match self {
+            Members::Inline { len, pages } if usize::from(*len) < INLINE => {
+                pages[usize::from(*len)] = page.into();
+                *len += 1;
+            }
+            Members::Inline { .. } => {
+                let mut all: Vec<PageRef> = self.iter().collect();
+                all.push(page);
+                *self = Members::Few(all);
+            }
+            Members::Few(v) if v.len() < FEW => v.push(page),
+            Members::Few(v) => {
+                let rep = v[0];
+                let mut all: HashSet<PageRef, BuildKeyHasher> = v.drain(..).collect();
+                all.insert(page);
+                *self = Members::Many(Box::new(ManyPages { rep, all }));
+            }
+            Members::Many(many) => {
+                many.all.insert(page);
+            }
+        }
+    }
+
+    /// Takes `page` out; false if it was not there.
+    pub(super) fn remove(&mut self, page: PageRef) -> bool {
+        match self {
+            Members::Inline { len, pages } => {
+                let held = &mut pages[..usize::from(*len)];
+                let Some(i) = held.iter().position(|&p| PageRef::from(p) == page) else {
+                    return false;
+                };
+                held.copy_within(i + 1.., i);
+                *len -= 1;
+                true
+            }
+            Members::Few(v) => match v.iter().position(|&p| p == page) {
+                Some(i) => {
+                    v.remove(i);
+                    true
+                }
+                None => false,
+            },
+            Members::Many(many) => {
+                if !many.all.remove(&page) {
+                    return false;
+                }
+                if many.rep == page {
+                    if let Some(&next) = many.all.iter().next() {
+                        many.rep = next;
+                    }
+                }
+                true
+            }
+        }
+    }
+
+    pub(super) fn contains(&self, page: PageRef) -> bool {
+        match self {
+            Members::Inline { len, pages } => pages[..usize::from(*len)]
+                .iter()
+                .any(|&p| PageRef::from(p) == page),
+            Members::Few(v) => v.contains(&page),
+            Members::Many(many) => many.all.contains(&page),
+        }
+    }
+
+    pub(super) fn iter(&self) -> Box<dyn Iterator<Item = PageRef> + '_> {
+        match self {
+            Members::Inline { len, pages } => {
+                Box::new(pages[..usize::from(*len)].iter().map(|&p| p.into()))
+            }
+            Members::Few(v) => Box::new(v.iter().copied()),
+            Members::Many(many) => Box::new(many.all.iter().copied()),
+        }
+    }
+}
+
+/// Pages with one content (compared equal).
+#[derive(Debug, Clone)]
+pub(super) struct Class {
+    pub(super) members: Members,
+    /// One of its pages was a KSM page: the content is merged.
+    pub(super) stable: bool,
+    /// The all-zero content.
+    pub(super) zero: bool,
+    /// Its checksum, which the table finds it by.
+    checksum: u64,
+}
+
+impl Class {
+    /// What a free slot holds.
+    fn vacant() -> Self {
+        Class {
+            members: Members::Inline {
+                len: 0,
+                pages: [Packed::default(); INLINE],
+            },
+            stable: false,
+            zero: false,
+            checksum: 0,
+        }
+    }
+}
+
+/// A content held by one page: 16 bytes.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Single {
+    addr: u64,
+    pid: u32,
+    pub(super) stable: bool,
+    pub(super) zero: bool,
+}
+
+impl Single {
+    pub(super) fn new(page: PageRef, stable: bool, zero: bool) -> Self {
+        Single {
+            addr: page.addr,
+            pid: page.pid,
+            stable,
+            zero,
+        }
+    }
+
+    pub(super) fn page(self) -> PageRef {
+        PageRef {
+            pid: self.pid,
+            addr: self.addr,
+        }
+    }
+
+    /// A class of this one page.
+    pub(super) fn class(self) -> Class {
+        Class {
+            members: Members::one(self.page()),
+            stable: self.stable,
+            zero: self.zero,
+            checksum: 0,
+        }
+    }
+}
+
+/// Classes by checksum.
+#[derive(Debug, Default)]
+pub(super) struct Classes {
+    /// Slot + 1 of every class, found by its checksum.
+    table: Table,
+    slots: Vec<Class>,
+    /// Slots no class holds.
+    free: Vec<u32>,
+}
+
+/// The table's entry for slot `at`.
+fn entry(at: u32) -> u32 {
+    at + 1
+}
+
+/// The slot of the table's entry `entry`.
+fn slot(entry: u32) -> usize {
+    entry as usize - 1
+}
+
+impl Classes {
+    /// Whether some class has `checksum`.
+    pub(super) fn holds(&self, checksum: u64) -> bool {
+        self.slots(checksum).next().is_some()
+    }
+
+    /// Whether there are no classes.
+    #[cfg(test)]
+    pub(super) fn is_empty(&self) -> bool {
+        self.table.is_empty()
+    }
+
+    /// The slots of the classes with `checksum`.
+    pub(super) fn slots(&self, checksum: u64) -> impl Iterator<Item = u32> + '_ {
+        self.table
+            .matching(mix(checksum), move |e| {
+                self.slots[slot(e)].checksum == checksum
+            })
+            .map(|e| slot(e) as u32)
+    }
+
+    /// The slot of the `rank`th class with `checksum`.
+    pub(super) fn nth(&self, checksum: u64, rank: usize) -> Option<u32> {
+        self.slots(checksum).nth(rank)
+    }
+
+    /// The class in `at`.
+    pub(super) fn get(&self, at: u32) -> &Class {
+        &self.slots[at as usize]
+    }
+
+    /// The class in `at`, to change.
+    pub(super) fn get_mut(&mut self, at: u32) -> &mut Class {
+        &mut self.slots[at as usize]
+    }
+
+    /// Adds `class` with `checksum`; returns its slot.
+    pub(super) fn add(&mut self, checksum: u64, mut class: Class) -> u32 {
+        class.checksum = checksum;
+        let at = match self.free.pop() {
+            Some(at) => {
+                self.slots[at as usize] = class;
+                at
+            }
+            None => {
+                self.slots.push(class);
+                (self.slots.len() - 1) as u32
+            }
+        };
+        let slots = &self.slots;
+        self.table.insert(
+            mix(checksum),
+            entry(at),
+            |_| false,
+            |e| mix(slots[slot(e)].checksum),
+        );
+        at
+    }
+
+    /// Takes the class in `at` (one with `checksum`) out, and returns it.
+    pub(super) fn take(&mut self, checksum: u64, at: u32) -> Class {
+        let slots = &self.slots;
+        let taken = self.table.remove(
+            mix(checksum),
+            |e| e == entry(at),
+            |e| mix(slots[slot(e)].checksum),
+        );
+        debug_assert!(taken.is_some(), "slot {at} holds no class of {checksum:#x}");
+        self.free.push(at);
+        // A free slot holds no pages (a large class's set would stay allocated).
+        std::mem::replace(&mut self.slots[at as usize], Class::vacant())
+    }
+
+    /// Every class, with its checksum.
+    pub(super) fn iter(&self) -> impl Iterator<Item = (u64, &Class)> + '_ {
+        self.table.iter().map(move |e| {
+            let class = &self.slots[slot(e)];
+            (class.checksum, class)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn page(pid: u32, index: u64) -> PageRef {
+        PageRef {
+            pid,
+            addr: 0x7fff_0000_0000 + index * 4096,
+        }
+    }
+
+    #[test]
+    fn a_class_of_a_few_pages_is_one_slot_of_72_bytes() {
+        assert_eq!(size_of::<Packed>(), 12);
+        assert_eq!(size_of::<Class>(), 72);
+        assert_eq!(size_of::<Single>(), 16);
+    }
+
+    #[test]
+    fn members_keep_their_order_and_their_representative_as_they_grow_and_shrink() {
+        let mut members = Members::one(page(1, 0));
+        for i in 1..40 {
+            members.add(page(1, i));
+            assert_eq!(members.len(), i as usize + 1);
+            assert_eq!(members.rep(), Some(page(1, 0)));
+        }
+        assert!(matches!(members, Members::Many(_)));
+        assert!(members.contains(page(1, 39)) && !members.contains(page(2, 0)));
+        let mut small = Members::one(page(1, 0));
+        for i in 1..4 {
+            small.add(page(2, i));
+        }
+        assert!(matches!(small, Members::Inline { len: 4, .. }));
+        assert!(small.remove(page(1, 0)));
+        assert!(!small.remove(page(1, 0)), "removed twice");
+        assert_eq!(small.rep(), Some(page(2, 1)), "the next page stands for it");
+        assert_eq!(
+            small.iter().collect::<Vec<_>>(),
+            [page(2, 1), page(2, 2), page(2, 3)]
+        );
+    }
+
+    #[test]
+    fn classes_of_one_checksum_are_all_found_and_their_slots_are_reused() {
+        let mut classes = Classes::default();
+        let one = |pid| Single::new(page(pid, 0), false, false).class();
+        let (a, b, c) = (
+            classes.add(7, one(1)),
+            classes.add(7, one(2)),
+            classes.add(8, one(3)),
+        );
+        let mut of_7: Vec<u32> = classes.slots(7).collect();
+        of_7.sort_unstable();
+        assert_eq!(of_7, [a, b]);
+        assert_eq!(classes.slots(8).collect::<Vec<_>>(), [c]);
+        assert_eq!(classes.take(7, a).members.rep(), Some(page(1, 0)));
+        assert_eq!(classes.slots(7).collect::<Vec<_>>(), [b]);
+        assert_eq!(classes.add(9, one(4)), a, "the free slot is taken again");
+        classes.take(7, b);
+        assert!(!classes.holds(7) && classes.holds(8) && classes.holds(9));
+        assert_eq!(classes.iter().count(), 2);
+        classes.take(8, c);
+        classes.take(9, a);
+        assert!(classes.is_empty());
+    }
+}

@@ -1,0 +1,299 @@
+//! Hash tables of four-byte entries, for the two tables rksm keeps an entry in for most pages
+//! it holds: the digests of pages only sampled, and the index's classes.
+//!
+//! rksm's memory grows with the memory it watches, and these two tables are much of it. The
+//! standard table spends a control byte per bucket besides the entry, and its bucket count
+//! is a power of two, so one entry past a power of two doubles it. Here a bucket is the entry
+//! alone (0 marks an empty one), buckets grow by half, and entries are found by linear
+//! probing, which keeps a lookup within a cache line or two at the load allowed. An entry is
+//! a `u32` the caller gives meaning to: a digest itself, or the slot of a record that holds
+//! the key, so the caller says how to hash an entry and whether one is the key sought.
+
+use crate::engine::keys::KeyHasher;
+use std::hash::Hasher;
+
+/// The most entries per bucket before the table grows: at this load an absent key is found
+/// absent after about 13 buckets, a present one after 3.
+const MAX_LOAD: (usize, usize) = (4, 5);
+
+/// Spreads `key` over 64 bits, as the engine's other tables do.
+pub fn mix(key: u64) -> u64 {
+    let mut h = KeyHasher::default();
+    h.write_u64(key);
+    h.finish()
+}
+
+/// Nonzero `u32` entries, found by a hash the caller computes.
+#[derive(Debug, Default, Clone)]
+pub struct Table {
+    buckets: Vec<u32>,
+    len: usize,
+}
+
+impl Table {
+    /// Entries held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no entry is held.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The bucket a hash starts from: the hash's high bits scaled to the bucket count, so
+    /// that any count works.
+    fn home(&self, hash: u64) -> usize {
+        (((hash >> 32) * self.buckets.len() as u64) >> 32) as usize
+    }
+
+    fn next(&self, i: usize) -> usize {
+        if i + 1 == self.buckets.len() {
+            0
+        } else {
+            i + 1
+        }
+    }
+
+    /// The bucket holding the entry `is` accepts, or the empty bucket where it would go.
+    fn probe(&self, hash: u64, is: impl Fn(u32) -> bool) -> Result<usize, usize> {
+        let mut i = self.home(hash);
+        loop {
+            match self.buckets[i] {
+                0 => return Err(i),
+                entry if is(entry) => return Ok(i),
+                _ => i = self.next(i),
+            }
+        }
+    }
+
+    /// The entry with hash `hash` that `is` accepts.
+    pub fn get(&self, hash: u64, is: impl Fn(u32) -> bool) -> Option<u32> {
+        if self.buckets.is_empty() {
+            return None;
+        }
+        self.probe(hash, is).ok().map(|i| self.buckets[i])
+    }
+
+    /// The entries with hash `hash` that `is` accepts (a table may hold several that it
+    /// accepts: the caller decides what is one key).
+    pub fn matching<'a>(
+        &'a self,
+        hash: u64,
+        is: impl Fn(u32) -> bool + 'a,
+    ) -> impl Iterator<Item = u32> + 'a {
+        let start = (!self.buckets.is_empty()).then(|| self.home(hash));
+        std::iter::successors(start, move |&i| Some(self.next(i)))
+            .map(move |i| self.buckets[i])
+            .take_while(|&e| e != 0)
+            .filter(move |&e| is(e))
+    }
+
+    /// Adds `entry` (nonzero), whose hash is `hash`, unless one `is` accepts is held; true if
+    /// added. `hash_of` hashes any entry held, to move it when the table grows.
+    pub fn insert(
+        &mut self,
+        hash: u64,
+        entry: u32,
+        is: impl Fn(u32) -> bool,
+        hash_of: impl Fn(u32) -> u64,
+    ) -> bool {
+        debug_assert_ne!(entry, 0);
+        if (self.len + 1) * MAX_LOAD.1 > self.buckets.len() * MAX_LOAD.0 {
+            self.grow(&hash_of);
+        }
+        match self.probe(hash, is) {
+            Ok(_) => false,
+            Err(i) => {
+                self.buckets[i] = entry;
+                self.len += 1;
+                true
+            }
+        }
+    }
+
+    /// Takes out the entry with hash `hash` that `is` accepts, if held. The entries after it
+    /// move back into the gap where their own probe allows it, so that no marker of a removed
+    /// entry is left to lengthen later probes.
+    pub fn remove(
+        &mut self,
+        hash: u64,
+        is: impl Fn(u32) -> bool,
+        hash_of: impl Fn(u32) -> u64,
+    ) -> Option<u32> {
+        if self.buckets.is_empty() {
+            return None;
+        }
+        let found = self.probe(hash, is).ok()?;
+        let entry = self.buckets[found];
+        let cap = self.buckets.len();
+        let distance = |from: usize, to: usize| (to + cap - from) % cap;
+        let mut gap = found;
+        let mut i = self.next(found);
+        while self.buckets[i] != 0 {
+            let home = self.home(hash_of(self.buckets[i]));
+            // The entry at i may fill the gap if the gap lies on its probe, from home to i.
+            if distance(home, i) >= distance(gap, i) {
+                self.buckets[gap] = self.buckets[i];
+                gap = i;
+            }
+            i = self.next(i);
+        }
+        self.buckets[gap] = 0;
+        self.len -= 1;
+        Some(entry)
+    }
+
+    /// Every entry held, in no order.
+    pub fn iter(&self) -> impl Iterator<Item = u32> + '_ {
+        self.buckets.iter().copied().filter(|&e| e != 0)
+    }
+
+    fn grow(&mut self, hash_of: &impl Fn(u32) -> u64) {
+        let cap = (self.buckets.len() + self.buckets.len() / 2).max(16);
+        let old = std::mem::replace(&mut self.buckets, vec![0; cap]);
+        for entry in old.into_iter().filter(|&e| e != 0) {
+            if let Err(i) = self.probe(hash_of(entry), |_| false) {
+                self.buckets[i] = entry;
+            }
+        }
+    }
+}
+
+/// A set of `u32` digests in about five bytes each.
+#[derive(Debug, Default, Clone)]
+pub struct DigestSet {
+    table: Table,
+    /// Whether 0, which marks an empty bucket, is in the set.
+    zero: bool,
+}
+
+fn hash_digest(digest: u32) -> u64 {
+    mix(u64::from(digest))
+}
+
+impl DigestSet {
+    /// Adds `digest`; true if it was not in the set.
+    pub fn insert(&mut self, digest: u32) -> bool {
+        if digest == 0 {
+            return !std::mem::replace(&mut self.zero, true);
+        }
+        self.table
+            .insert(hash_digest(digest), digest, |e| e == digest, hash_digest)
+    }
+
+    /// Takes `digest` out; true if it was in the set.
+    pub fn remove(&mut self, digest: u32) -> bool {
+        if digest == 0 {
+            return std::mem::replace(&mut self.zero, false);
+        }
+        self.table
+            .remove(hash_digest(digest), |e| e == digest, hash_digest)
+            .is_some()
+    }
+
+    /// Whether `digest` is in the set.
+    pub fn contains(&self, digest: u32) -> bool {
+        if digest == 0 {
+            return self.zero;
+        }
+        self.table
+            .get(hash_digest(digest), |e| e == digest)
+            .is_some()
+    }
+
+    /// Digests in the set.
+    pub fn len(&self) -> usize {
+        self.table.len() + usize::from(self.zero)
+    }
+
+    /// Whether the set is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    /// A small deterministic generator: the tests need many values, not good ones.
+    fn values(seed: u64, n: usize, range: u32) -> Vec<u32> {
+        let mut x = seed;
+        (0..n)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((x >> 33) as u32) % range
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_digest_set_agrees_with_the_standard_set_through_inserts_and_removals() {
+        // A small range makes collisions, long probes and removals inside runs common.
+        for range in [50, 5_000, u32::MAX] {
+            let mut mine = DigestSet::default();
+            let mut theirs = HashSet::new();
+            let ops = values(range as u64, 40_000, range);
+            for (i, &d) in ops.iter().enumerate() {
+                if i % 3 == 2 {
+                    assert_eq!(mine.remove(d), theirs.remove(&d), "remove {d}");
+                } else {
+                    assert_eq!(mine.insert(d), theirs.insert(d), "insert {d}");
+                }
+                assert_eq!(mine.len(), theirs.len());
+            }
+            for d in values(7, 2_000, range) {
+                assert_eq!(mine.contains(d), theirs.contains(&d), "contains {d}");
+            }
+            for &d in &theirs {
+                assert!(mine.contains(d));
+            }
+        }
+    }
+
+    #[test]
+    fn zero_is_a_digest_like_any_other() {
+        let mut set = DigestSet::default();
+        assert!(!set.contains(0));
+        assert!(set.insert(0) && !set.insert(0));
+        assert!(set.contains(0) && set.len() == 1);
+        assert!(set.remove(0) && !set.remove(0));
+        assert!(set.is_empty());
+    }
+
+    #[test]
+    fn a_table_grows_by_half_and_stays_below_its_load() {
+        let mut set = DigestSet::default();
+        for d in 1..=100_000 {
+            set.insert(d);
+        }
+        let buckets = set.table.buckets.len();
+        assert!(
+            buckets * 4 >= 100_000 * 5 && buckets <= 100_000 * 5 / 4 * 3 / 2 + 16,
+            "{buckets} buckets for 100,000 digests"
+        );
+    }
+
+    #[test]
+    fn entries_that_stand_for_records_are_found_through_them() {
+        // Entries are slots (plus one) in a vector of keys.
+        let keys = [10u64, 20, 30, 40];
+        let hash_of = |e: u32| mix(keys[e as usize - 1]);
+        let mut table = Table::default();
+        for (i, &k) in keys.iter().enumerate() {
+            let slot = i as u32 + 1;
+            assert!(table.insert(mix(k), slot, |e| keys[e as usize - 1] == k, hash_of));
+        }
+        assert_eq!(table.get(mix(30), |e| keys[e as usize - 1] == 30), Some(3));
+        assert_eq!(
+            table.remove(mix(20), |e| keys[e as usize - 1] == 20, hash_of),
+            Some(2)
+        );
+        assert_eq!(table.get(mix(20), |e| keys[e as usize - 1] == 20), None);
+        assert_eq!(table.iter().count(), 3);
+    }
+}
