@@ -1,13 +1,15 @@
-//! Hash tables of four-byte entries, for the two tables rksm keeps an entry in for most pages
-//! it holds: the digests of pages only sampled, and the index's classes.
+//! Hash tables of small entries, for the two tables rksm keeps an entry in for most pages it
+//! holds: the digests of pages only sampled, and the index's classes.
 //!
 //! rksm's memory grows with the memory it watches, and these two tables are much of it. The
 //! standard table spends a control byte per bucket besides the entry, and its bucket count
 //! is a power of two, so one entry past a power of two doubles it. Here a bucket is the entry
 //! alone (0 marks an empty one), buckets grow by half, and entries are found by linear
 //! probing, which keeps a lookup within a cache line or two at the load allowed. An entry is
-//! a `u32` the caller gives meaning to: a digest itself, or the slot of a record that holds
-//! the key, so the caller says how to hash an entry and whether one is the key sought.
+//! a `u32` or `u64` the caller gives meaning to: a digest itself (four bytes), or the slot of
+//! a record that holds the key with the high half of the key's hash (eight bytes: an entry of
+//! another key is then passed over without reading its record, a trip to memory). The caller
+//! says how to hash an entry and whether one is the key sought.
 
 use crate::engine::keys::KeyHasher;
 use std::hash::Hasher;
@@ -23,14 +25,37 @@ pub fn mix(key: u64) -> u64 {
     h.finish()
 }
 
-/// Nonzero `u32` entries, found by a hash the caller computes.
-#[derive(Debug, Default, Clone)]
-pub struct Table {
-    buckets: Vec<u32>,
+/// What a bucket holds: an entry, or 0 for none.
+pub trait Entry: Copy + Eq + std::fmt::Debug {
+    /// The empty bucket.
+    const NONE: Self;
+}
+
+impl Entry for u32 {
+    const NONE: u32 = 0;
+}
+
+impl Entry for u64 {
+    const NONE: u64 = 0;
+}
+
+/// Nonzero entries, found by a hash the caller computes.
+#[derive(Debug, Clone)]
+pub struct Table<E> {
+    buckets: Vec<E>,
     len: usize,
 }
 
-impl Table {
+impl<E> Default for Table<E> {
+    fn default() -> Self {
+        Table {
+            buckets: Vec::new(),
+            len: 0,
+        }
+    }
+}
+
+impl<E: Entry> Table<E> {
     /// Entries held.
     pub fn len(&self) -> usize {
         self.len
@@ -56,11 +81,11 @@ impl Table {
     }
 
     /// The bucket holding the entry `is` accepts, or the empty bucket where it would go.
-    fn probe(&self, hash: u64, is: impl Fn(u32) -> bool) -> Result<usize, usize> {
+    fn probe(&self, hash: u64, is: impl Fn(E) -> bool) -> Result<usize, usize> {
         let mut i = self.home(hash);
         loop {
             match self.buckets[i] {
-                0 => return Err(i),
+                e if e == E::NONE => return Err(i),
                 entry if is(entry) => return Ok(i),
                 _ => i = self.next(i),
             }
@@ -68,7 +93,7 @@ impl Table {
     }
 
     /// The entry with hash `hash` that `is` accepts.
-    pub fn get(&self, hash: u64, is: impl Fn(u32) -> bool) -> Option<u32> {
+    pub fn get(&self, hash: u64, is: impl Fn(E) -> bool) -> Option<E> {
         if self.buckets.is_empty() {
             return None;
         }
@@ -80,12 +105,12 @@ impl Table {
     pub fn matching<'a>(
         &'a self,
         hash: u64,
-        is: impl Fn(u32) -> bool + 'a,
-    ) -> impl Iterator<Item = u32> + 'a {
+        is: impl Fn(E) -> bool + 'a,
+    ) -> impl Iterator<Item = E> + 'a {
         let start = (!self.buckets.is_empty()).then(|| self.home(hash));
         std::iter::successors(start, move |&i| Some(self.next(i)))
             .map(move |i| self.buckets[i])
-            .take_while(|&e| e != 0)
+            .take_while(|&e| e != E::NONE)
             .filter(move |&e| is(e))
     }
 
@@ -94,11 +119,11 @@ impl Table {
     pub fn insert(
         &mut self,
         hash: u64,
-        entry: u32,
-        is: impl Fn(u32) -> bool,
-        hash_of: impl Fn(u32) -> u64,
+        entry: E,
+        is: impl Fn(E) -> bool,
+        hash_of: impl Fn(E) -> u64,
     ) -> bool {
-        debug_assert_ne!(entry, 0);
+        debug_assert_ne!(entry, E::NONE);
         if (self.len + 1) * MAX_LOAD.1 > self.buckets.len() * MAX_LOAD.0 {
             self.grow(&hash_of);
         }
@@ -118,9 +143,9 @@ impl Table {
     pub fn remove(
         &mut self,
         hash: u64,
-        is: impl Fn(u32) -> bool,
-        hash_of: impl Fn(u32) -> u64,
-    ) -> Option<u32> {
+        is: impl Fn(E) -> bool,
+        hash_of: impl Fn(E) -> u64,
+    ) -> Option<E> {
         if self.buckets.is_empty() {
             return None;
         }
@@ -130,7 +155,7 @@ impl Table {
         let distance = |from: usize, to: usize| (to + cap - from) % cap;
         let mut gap = found;
         let mut i = self.next(found);
-        while self.buckets[i] != 0 {
+        while self.buckets[i] != E::NONE {
             let home = self.home(hash_of(self.buckets[i]));
             // The entry at i may fill the gap if the gap lies on its probe, from home to i.
             if distance(home, i) >= distance(gap, i) {
@@ -139,20 +164,20 @@ impl Table {
             }
             i = self.next(i);
         }
-        self.buckets[gap] = 0;
+        self.buckets[gap] = E::NONE;
         self.len -= 1;
         Some(entry)
     }
 
     /// Every entry held, in no order.
-    pub fn iter(&self) -> impl Iterator<Item = u32> + '_ {
-        self.buckets.iter().copied().filter(|&e| e != 0)
+    pub fn iter(&self) -> impl Iterator<Item = E> + '_ {
+        self.buckets.iter().copied().filter(|&e| e != E::NONE)
     }
 
-    fn grow(&mut self, hash_of: &impl Fn(u32) -> u64) {
+    fn grow(&mut self, hash_of: &impl Fn(E) -> u64) {
         let cap = (self.buckets.len() + self.buckets.len() / 2).max(16);
-        let old = std::mem::replace(&mut self.buckets, vec![0; cap]);
-        for entry in old.into_iter().filter(|&e| e != 0) {
+        let old = std::mem::replace(&mut self.buckets, vec![E::NONE; cap]);
+        for entry in old.into_iter().filter(|&e| e != E::NONE) {
             if let Err(i) = self.probe(hash_of(entry), |_| false) {
                 self.buckets[i] = entry;
             }
@@ -163,7 +188,7 @@ impl Table {
 /// A set of `u32` digests in about five bytes each.
 #[derive(Debug, Default, Clone)]
 pub struct DigestSet {
-    table: Table,
+    table: Table<u32>,
     /// Whether 0, which marks an empty bucket, is in the set.
     zero: bool,
 }
@@ -283,7 +308,7 @@ mod tests {
         // Entries are slots (plus one) in a vector of keys.
         let keys = [10u64, 20, 30, 40];
         let hash_of = |e: u32| mix(keys[e as usize - 1]);
-        let mut table = Table::default();
+        let mut table = Table::<u32>::default();
         for (i, &k) in keys.iter().enumerate() {
             let slot = i as u32 + 1;
             assert!(table.insert(mix(k), slot, |e| keys[e as usize - 1] == k, hash_of));

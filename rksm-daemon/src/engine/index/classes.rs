@@ -4,9 +4,9 @@
 //! for as long as its copies stay merged. So a class is laid out for its usual size, a few
 //! pages: up to four sit in the class itself, twelve bytes a page, and a class moves its pages
 //! to a list, then a set, only as it grows. Classes live in one vector of slots rather than
-//! one allocation each, a class keeping its checksum, and the table that finds them holds
-//! slots alone ([`Table`], four bytes an entry): one entry per class, several for a checksum
-//! that several contents have (a collision, rare). A class that goes leaves its slot to the
+//! one allocation each, a class keeping its checksum, and the table that finds them holds a
+//! slot and half its checksum's hash ([`Table`], eight bytes an entry): one entry per class,
+//! several for a checksum that several contents have (a collision, rare). A class that goes leaves its slot to the
 //! next one made. Contents held by one page, by far the most when new pages are read whole,
 //! are kept apart in 16 bytes each.
 
@@ -238,21 +238,29 @@ impl Single {
 /// Classes by checksum.
 #[derive(Debug, Default)]
 pub(super) struct Classes {
-    /// Slot + 1 of every class, found by its checksum.
-    table: Table,
+    /// Every class's entry: the high half of its checksum's hash, and its slot + 1.
+    table: Table<u64>,
     slots: Vec<Class>,
     /// Slots no class holds.
     free: Vec<u32>,
 }
 
-/// The table's entry for slot `at`.
-fn entry(at: u32) -> u32 {
-    at + 1
+/// The part of a hash an entry keeps: all the table needs to place the entry.
+const HASH_HALF: u64 = 0xffff_ffff_0000_0000;
+
+/// The table's entry for slot `at` of a class whose checksum hashes to `hash`.
+fn entry(hash: u64, at: u32) -> u64 {
+    (hash & HASH_HALF) | u64::from(at + 1)
 }
 
 /// The slot of the table's entry `entry`.
-fn slot(entry: u32) -> usize {
-    entry as usize - 1
+fn slot(entry: u64) -> usize {
+    (entry & !HASH_HALF) as usize - 1
+}
+
+/// The hash of the checksum of entry `entry`, as far as the table needs it.
+fn hash_of(entry: u64) -> u64 {
+    entry & HASH_HALF
 }
 
 impl Classes {
@@ -269,9 +277,10 @@ impl Classes {
 
     /// The slots of the classes with `checksum`.
     pub(super) fn slots(&self, checksum: u64) -> impl Iterator<Item = u32> + '_ {
+        let hash = mix(checksum);
         self.table
-            .matching(mix(checksum), move |e| {
-                self.slots[slot(e)].checksum == checksum
+            .matching(hash, move |e| {
+                hash_of(e) == hash & HASH_HALF && self.slots[slot(e)].checksum == checksum
             })
             .map(|e| slot(e) as u32)
     }
@@ -304,24 +313,15 @@ impl Classes {
                 (self.slots.len() - 1) as u32
             }
         };
-        let slots = &self.slots;
-        self.table.insert(
-            mix(checksum),
-            entry(at),
-            |_| false,
-            |e| mix(slots[slot(e)].checksum),
-        );
+        let hash = mix(checksum);
+        self.table.insert(hash, entry(hash, at), |_| false, hash_of);
         at
     }
 
     /// Takes the class in `at` (one with `checksum`) out, and returns it.
     pub(super) fn take(&mut self, checksum: u64, at: u32) -> Class {
-        let slots = &self.slots;
-        let taken = self.table.remove(
-            mix(checksum),
-            |e| e == entry(at),
-            |e| mix(slots[slot(e)].checksum),
-        );
+        let hash = mix(checksum);
+        let taken = self.table.remove(hash, |e| e == entry(hash, at), hash_of);
         debug_assert!(taken.is_some(), "slot {at} holds no class of {checksum:#x}");
         self.free.push(at);
         // A free slot holds no pages (a large class's set would stay allocated).
