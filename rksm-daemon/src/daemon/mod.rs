@@ -60,6 +60,7 @@ use crate::{
             protection::{NotOffered, Offer, WriteProtectChoice},
             DirtySource, EbpfSource, HashOnly, Lent, PagemapSource, DEFAULT_AUDIT_PASSES,
         },
+        heap::FreedMemory,
         merge::{Marker, MergePolicy},
         scan::{PassReport, ScanConfig, Scanner},
         target::Target,
@@ -76,9 +77,6 @@ use crate::{
 
 /// How often, at most, running out of file descriptors is warned about while it lasts.
 const SHORT_OF_FILES_WARN_EVERY: Duration = Duration::from_secs(60);
-
-/// A pass that found this many duplicates gives the heap its marking freed back.
-const RELEASE_AFTER_DUPLICATES: u64 = 32 * 1024;
 
 /// How often, at most, the daemon drains the tracer's ring between passes.
 pub const DRAIN_EVERY: Duration = Duration::from_millis(50);
@@ -211,6 +209,8 @@ pub struct Daemon {
     domains: Domains,
     stats: DaemonStats,
     marking_syscalls: u64,
+    /// The heap memory freed, to hand back after a pass.
+    freed: FreedMemory,
     /// A pass was cut short by [`Daemon::stop_on`]'s signal.
     stopping: bool,
     /// Outsiders already warned about.
@@ -388,6 +388,7 @@ impl Daemon {
                 ..DaemonStats::default()
             },
             marking_syscalls: 0,
+            freed: FreedMemory::default(),
             borrower: Borrower::new(),
             handovers_at_start: guard::installed().map_or(0, |g| g.given_up()),
             stopping: false,
@@ -479,10 +480,9 @@ impl Daemon {
         let cow_breaks = self.account_cow_breaks(&report, now);
         self.undo_crossings();
         let (runs_marked, pages_marked) = self.mark(now);
-        // Marking many pages built and dropped their lists: give the heap back.
-        if report.total.duplicate_pages >= RELEASE_AFTER_DUPLICATES {
-            crate::engine::heap::give_back_freed();
-        }
+        // Whatever this pass built and dropped (batches, the marking's lists, what ksmd's
+        // merges changed) does not stay resident.
+        self.freed.give_back_if_grown();
         let sharing_before = self.stats.pages_sharing;
         self.account(&report);
         // Work for ksmd: pages newly marked, duplicates newly found (in marked runs too: a page

@@ -6,9 +6,9 @@
 //! to a list, then a set, only as it grows. Classes live in one vector of slots rather than
 //! one allocation each, a class keeping its checksum, and the table that finds them holds a
 //! slot and half its checksum's hash ([`Table`], eight bytes an entry): one entry per class,
-//! several for a checksum that several contents have (a collision, rare). A class that goes leaves its slot to the
-//! next one made. Contents held by one page, by far the most when new pages are read whole,
-//! are kept apart in 16 bytes each.
+//! several for a checksum that several contents have (a collision, rare). A class that goes
+//! leaves its slot to the next one made. Contents held by one page, by far the most when new
+//! pages are read whole, are kept apart in 16 bytes each.
 
 use std::collections::HashSet;
 

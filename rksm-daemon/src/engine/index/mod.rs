@@ -442,36 +442,35 @@ impl Index {
         src: &mut dyn ContentSource,
         buf: &mut [u8; PAGE],
     ) -> Lookup {
-        if let Some(single) = self.singles.get(&checksum).copied() {
-            return match self.compare_with(single.page(), single.zero, checksum, page, src, buf) {
-                Compared::Equal => Lookup::Found(Found::Single),
-                Compared::PageGone => Lookup::Vanished,
-                Compared::Different | Compared::RepresentativeGone => Lookup::Missing,
-            };
-        }
-        // Classes are looked at by their rank among the checksum's: the index changes as
-        // representatives found stale leave it.
-        let mut rank = 0;
-        while let Some(slot) = self.classes.nth(checksum, rank) {
-            rank += 1;
-            let class = self.classes.get(slot);
-            let zero = class.zero;
-            let Some(rep) = class.members.rep() else {
-                continue;
-            };
-            match self.compare_with(rep, zero, checksum, page, src, buf) {
-                Compared::Equal => return Lookup::Found(Found::Class(slot)),
-                Compared::PageGone => return Lookup::Vanished,
-                Compared::Different => {}
-                // The representative left: its class's next page stands for it, or the class
-                // went, or the checksum moved to `singles`. Look again from the start (each
-                // time round one page has left, so this ends).
-                Compared::RepresentativeGone => {
-                    return self.find_with(checksum, page, src, buf);
+        // Each time a representative is found stale, one page has left and the checksum's
+        // classes are looked at again from the first: its class's next page stands for it,
+        // or the class went, or the checksum moved to `singles`. So this ends.
+        'again: loop {
+            if let Some(single) = self.singles.get(&checksum).copied() {
+                return match self.compare_with(single.page(), single.zero, checksum, page, src, buf)
+                {
+                    Compared::Equal => Lookup::Found(Found::Single),
+                    Compared::PageGone => Lookup::Vanished,
+                    Compared::Different | Compared::RepresentativeGone => Lookup::Missing,
+                };
+            }
+            let mut rank = 0;
+            while let Some(slot) = self.classes.nth(checksum, rank) {
+                rank += 1;
+                let class = self.classes.get(slot);
+                let zero = class.zero;
+                let Some(rep) = class.members.rep() else {
+                    continue;
+                };
+                match self.compare_with(rep, zero, checksum, page, src, buf) {
+                    Compared::Equal => return Lookup::Found(Found::Class(slot)),
+                    Compared::PageGone => return Lookup::Vanished,
+                    Compared::Different => {}
+                    Compared::RepresentativeGone => continue 'again,
                 }
             }
+            return Lookup::Missing;
         }
-        Lookup::Missing
     }
 
     /// The representative a page with `checksum` would be compared with first, if one is
@@ -784,6 +783,29 @@ mod tests {
             Placement::Duplicate { of: c }
         );
         assert_eq!(index.take_stale(), [b]);
+    }
+
+    #[test]
+    fn a_class_whose_pages_all_went_is_left_page_by_page_in_a_loop() {
+        // A process with 20,000 copies of one content exits: the next page with that content
+        // meets each of them stale, one after another, without a frame per page.
+        let kind = ChecksumKind::Xxh64;
+        let mut index = Index::with_cache(kind, 0);
+        let mut mem = Memory::default();
+        let sum = kind.checksum(&[5; PAGE]);
+        let gone: Vec<PageRef> = (0..20_000).map(|i| mem.set(1, i, 5)).collect();
+        for &p in &gone {
+            place(&mut index, &mut mem, p, sum, sum);
+        }
+        assert_eq!(index.counts(), (20_000, 1));
+        mem.pages.clear();
+        let late = mem.set(2, 0, 5);
+        assert_eq!(
+            place(&mut index, &mut mem, late, sum, sum),
+            Placement::Unique
+        );
+        assert_eq!(index.take_stale().len(), 20_000);
+        assert_eq!(index.counts(), (1, 1));
     }
 
     #[test]

@@ -12,7 +12,6 @@ use crate::{
     engine::{
         checksum::ChecksumKind,
         dirty::{DirtySource, Lent},
-        heap,
         index::{Index, PageRef, TopContent},
         samples::SampleIndex,
         target::{Finds, Target},
@@ -421,8 +420,8 @@ impl Scanner {
             top.truncate(10);
             report.top = top;
         }
-        // What a large pass held only for itself goes back to the system: the
-        // representatives it cached, and the heap its batches and lists freed.
+        // What a large pass held only for itself is let go: the representatives it cached
+        // and its batches (the daemon hands the freed heap back after the pass).
         let taken_up = report.total.pages_hashed + report.total.pages_sampled;
         if taken_up >= RELEASE_AFTER_PAGES {
             for index in self.indexes.values_mut() {
@@ -430,7 +429,6 @@ impl Scanner {
             }
             self.spare_batches = Vec::new();
             self.recent = RecentBatches::default();
-            heap::give_back_freed();
         }
         // What was found in each target goes to its record; a duplicate's company may be
         // found in another target's scan, so only now.

@@ -14,7 +14,10 @@ use rksm_common::PAGE_SIZE;
 
 use crate::{
     daemon::{unix_time, Daemon, DaemonStats, DirtyMode, PassSummary},
-    engine::target::{Target, TargetCounters},
+    engine::{
+        heap,
+        target::{Target, TargetCounters},
+    },
     kernel::procfs::KsmStat,
 };
 
@@ -124,12 +127,9 @@ impl Status {
     }
 }
 
-/// rksm's resident memory (/proc/self/statm's second field, in pages).
+/// rksm's resident memory.
 fn own_resident_bytes() -> i64 {
-    std::fs::read_to_string("/proc/self/statm")
-        .ok()
-        .and_then(|s| s.split_whitespace().nth(1)?.parse::<i64>().ok())
-        .map_or(0, |pages| pages * PAGE_SIZE as i64)
+    heap::resident_bytes().map_or(0, |bytes| bytes as i64)
 }
 
 /// One target's counters.
