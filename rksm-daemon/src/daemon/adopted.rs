@@ -3,8 +3,8 @@
 //! The engine's [`Target`] says what is true of a process: its pages, what is marked and
 //! merged in it, its verified duplicates. What the daemon decides about it is kept here, next
 //! to it and dropped with it: which contents its merge domain has claimed (so that a domain
-//! that leaves gives them up), and which regions are backed off because their merges keep
-//! breaking. The record lends its target wherever the engine takes one.
+//! that leaves gives them up; kept only where several domains are allowed), and which regions
+//! are backed off because their merges keep breaking. The record lends its target wherever the engine takes one.
 
 use std::ops::{Deref, DerefMut};
 

@@ -355,7 +355,10 @@ mod tests {
         let mut domains = Domains::new(SeveralDomains::Refuse);
         let a = domains.join("uid 0");
         let mut claims = KeySet::default();
-        assert!(domains.claim(7, a, &mut claims), "its to mark");
+        assert!(
+            domains.claim(7, a, &mut claims),
+            "it is the domain's to mark"
+        );
         assert!(claims.is_empty(), "nothing kept for it");
         assert_eq!((domains.owner(7), domains.owned_contents()), (None, 0));
         assert!(domains.leave("uid 0", &claims));
