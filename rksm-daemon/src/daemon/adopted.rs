@@ -4,7 +4,8 @@
 //! merged in it, its verified duplicates. What the daemon decides about it is kept here, next
 //! to it and dropped with it: which contents its merge domain has claimed (so that a domain
 //! that leaves gives them up; kept only where several domains are allowed), and which regions
-//! are backed off because their merges keep breaking. The record lends its target wherever the engine takes one.
+//! are backed off because their merges keep breaking. The record lends its target wherever
+//! the engine takes one.
 
 use std::ops::{Deref, DerefMut};
 

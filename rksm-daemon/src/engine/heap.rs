@@ -27,7 +27,7 @@ pub fn one_arena() {
 }
 
 /// Returns the heap memory freed since to the system (glibc keeps it otherwise).
-pub fn give_back_freed() {
+fn give_back_freed() {
     #[cfg(target_env = "gnu")]
     // SAFETY: malloc_trim only returns free heap memory to the system.
     unsafe {
