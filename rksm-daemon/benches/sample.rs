@@ -1,8 +1,11 @@
 //! What reading another process's page costs, whole or as a small sample: the question
 //! behind a first pass that reads in full only the pages whose sample matches another's.
 //!
-//! A forked child owns 64 MiB of pages, each different (it wrote every one after the fork,
-//! so none is shared with this process). Batches of 1,024 of its pages are read with
+//! A forked child owns 1 GiB of pages, each different (it wrote every one after the fork,
+//! so none is shared with this process), more than the caches hold: a first pass finds its
+//! targets' memory out of the cache, and a page's first bytes cost a trip to memory (and, in
+//! a virtual machine, a walk of the host's page tables) whatever is read of it. The batches
+//! go round the child's memory in order. Batches of 1,024 of its pages are read with
 //! `process_vm_readv` as the scanner reads them: whole (one 4 MiB remote range), whole and
 //! checksummed with xxh64, a 64-byte sample of each page (one remote iovec per page), and
 //! four 16-byte samples of each page (four iovecs per page, 1,024 per call), and the way
@@ -22,7 +25,7 @@ use nix::{
 use rksm::engine::checksum::ChecksumKind;
 
 use rksm_common::PAGE;
-const PAGES: usize = 16 * 1024;
+const PAGES: usize = 256 * 1024;
 const BATCH: usize = 1024;
 /// The kernel's limit on iovecs per call.
 const IOV_MAX: usize = 1024;

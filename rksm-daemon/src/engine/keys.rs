@@ -44,6 +44,8 @@ pub type BuildKeyHasher = BuildHasherDefault<KeyHasher>;
 pub type KeyMap<V> = HashMap<u64, V, BuildKeyHasher>;
 /// A set of checksums or page addresses.
 pub type KeySet = HashSet<u64, BuildKeyHasher>;
+/// A map keyed by process id, for what a pass collects page by page for each target.
+pub type PidMap<V> = HashMap<u32, V, BuildKeyHasher>;
 
 /// Pages per block of a [`PageSet`].
 const BLOCK_PAGES: u64 = 64;

@@ -83,6 +83,11 @@ impl SampleIndex {
         Meets::Sampled
     }
 
+    /// Fetches what [`SampleIndex::meet`] of `digest` reads first, a few pages ahead of it.
+    pub fn prefetch(&self, digest: u32) {
+        self.digests.prefetch(digest);
+    }
+
     /// The entry of `digest`, 0 if it is not kept.
     fn entry(&self, digest: u32) -> u32 {
         match self.counts.get(&digest) {

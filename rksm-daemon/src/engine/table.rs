@@ -25,6 +25,19 @@ pub fn mix(key: u64) -> u64 {
     h.finish()
 }
 
+/// A hint to fetch the cache line at `p`; it reads nothing and cannot fault.
+#[inline(always)]
+fn prefetch(p: *const i8) {
+    // SAFETY: SSE, which the prefetch instruction needs, is part of every x86_64 CPU; a
+    // prefetch does not dereference its address, so any value of `p` is sound.
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 /// What a bucket holds: an entry, or 0 for none.
 pub trait Entry: Copy + Eq + std::fmt::Debug {
     /// The empty bucket.
@@ -89,6 +102,16 @@ impl<E: Entry> Table<E> {
                 entry if is(entry) => return Ok(i),
                 _ => i = self.next(i),
             }
+        }
+    }
+
+    /// Asks the CPU to fetch the bucket a lookup of `hash` starts from, so that a lookup
+    /// issued a little later finds it in the cache: a table of millions of entries is
+    /// mostly not, and lookups of unrelated keys, one after another, would each wait for
+    /// memory in turn.
+    pub fn prefetch(&self, hash: u64) {
+        if let Some(bucket) = self.buckets.get(self.home(hash)) {
+            prefetch(std::ptr::from_ref(bucket).cast());
         }
     }
 
@@ -205,6 +228,11 @@ impl DigestSet {
         }
         self.table
             .insert(hash_digest(digest), digest, |e| e == digest, hash_digest)
+    }
+
+    /// Fetches where `digest` would be, ahead of an [`DigestSet::insert`] of it.
+    pub fn prefetch(&self, digest: u32) {
+        self.table.prefetch(hash_digest(digest));
     }
 
     /// Takes `digest` out; true if it was in the set.

@@ -362,6 +362,27 @@ impl Armed {
     /// armed set.
     pub fn scan_written(&mut self, ranges: &[Range]) -> Written {
         let mut written = Written::default();
+        self.walk_protecting(ranges, &mut |region: &PageRegion| {
+            let pages = (region.start..region.end).step_by(PAGE);
+            if region.categories & PAGE_IS_PFNZERO != 0 {
+                written.zero_page.extend(pages.clone());
+            }
+            written.pages.extend(pages);
+        });
+        written
+    }
+
+    /// Write-protects the armed pages in `ranges` (sorted) for the first time: all of them
+    /// count as written then, which the caller knows, so none is listed (a first pass over
+    /// a large target would spend more on the list than on the protecting).
+    pub fn protect_new(&mut self, ranges: &[Range]) {
+        self.walk_protecting(ranges, &mut |_: &PageRegion| {});
+    }
+
+    /// Write-protects the armed pages in `ranges` with PAGEMAP_SCAN, handing `found` each
+    /// region of pages written since they were last protected. A range that fails is dropped
+    /// from the armed set.
+    fn walk_protecting(&mut self, ranges: &[Range], found: &mut dyn FnMut(&PageRegion)) {
         let mut failed = Vec::new();
         let scan = PageScan {
             flags: PM_SCAN_WP_MATCHING | PM_SCAN_CHECK_WPASYNC,
@@ -370,14 +391,7 @@ impl Armed {
         };
         for range in ranges {
             for Range { start, end } in self.registered.within(*range) {
-                let found = &mut |region: &PageRegion| {
-                    let pages = (region.start..region.end).step_by(PAGE);
-                    if region.categories & PAGE_IS_PFNZERO != 0 {
-                        written.zero_page.extend(pages.clone());
-                    }
-                    written.pages.extend(pages);
-                };
-                if let Err(errno) = scan.walk(self.pagemap.as_fd(), start, end, found) {
+                if let Err(errno) = scan.walk(self.pagemap.as_fd(), start, end, &mut *found) {
                     log::debug!(
                         "pid {}: PAGEMAP_SCAN {start:#x}-{end:#x}: {errno}",
                         self.pid
@@ -387,7 +401,6 @@ impl Armed {
             }
         }
         self.registered.remove(&failed);
-        written
     }
 
     /// Write-protects `pages` again (the pages written since they were last protected, as

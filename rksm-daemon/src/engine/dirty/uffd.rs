@@ -132,7 +132,7 @@ pub(crate) fn ebpf_pass(
         audited = None;
     } else {
         let new = armed_before.minus(armed.armed_ranges().as_slice());
-        armed.scan_written(&new);
+        armed.protect_new(&new);
         written = recorded;
         armed.reprotect(&written);
         let vouched = armed_before.intersection(armed.armed_ranges());

@@ -13,6 +13,7 @@ use crate::{
         checksum::ChecksumKind,
         dirty::{DirtySource, Lent},
         index::{Index, PageRef, TopContent},
+        keys::{KeyMap, PidMap},
         samples::SampleIndex,
         target::{Finds, Target},
     },
@@ -211,7 +212,7 @@ pub struct Scanner {
     kpageflags: KpageFlags,
     zero_checksum: u64,
     /// Physical pages mapped more than once, seen this pass, with their checksum once known.
-    pfns_seen: HashMap<u64, u64>,
+    pfns_seen: KeyMap<u64>,
     /// CPUs this process may run on, when it started: with one, reader threads would only
     /// take turns with the scanner.
     cpus: usize,
@@ -224,10 +225,10 @@ pub struct Scanner {
     /// The batches read last, for the representatives of the next ones.
     recent: RecentBatches,
     /// Pages a comparison found changed or gone, by pid: hashed again at its next pass.
-    recheck: HashMap<u32, Vec<u64>>,
-    merge_candidates: HashMap<u32, Vec<(u64, u64)>>,
-    ksm_pages: HashMap<u32, Vec<u64>>,
-    ksm_checksums: HashMap<u32, Vec<u64>>,
+    recheck: PidMap<Vec<u64>>,
+    merge_candidates: PidMap<Vec<(u64, u64)>>,
+    ksm_pages: PidMap<Vec<u64>>,
+    ksm_checksums: PidMap<Vec<u64>>,
     /// Samples new pages in write-protected memory, if it could be loaded.
     sampler: Option<Sampler>,
     /// One sample index per merge domain, as the indexes.
@@ -254,17 +255,17 @@ impl Scanner {
             config,
             dirty,
             kpageflags: KpageFlags::open()?,
-            pfns_seen: HashMap::new(),
+            pfns_seen: KeyMap::default(),
             cpus: thread::available_parallelism().map_or(1, |n| n.get()),
             spare_batches: Vec::new(),
             entries: vec![PagemapEntry(0); CHUNK_PAGES],
             live: LiveMemory::default(),
             rep_batch: Vec::new(),
             recent: RecentBatches::default(),
-            recheck: HashMap::new(),
-            merge_candidates: HashMap::new(),
-            ksm_pages: HashMap::new(),
-            ksm_checksums: HashMap::new(),
+            recheck: PidMap::default(),
+            merge_candidates: PidMap::default(),
+            ksm_pages: PidMap::default(),
+            ksm_checksums: PidMap::default(),
             sampler: None,
             samples: HashMap::new(),
             zero_digest: digest_of(&[0u8; PAGE]),

@@ -1,8 +1,6 @@
 //! Placing what a batch read: each page into its domain's index, with KSM's rules, and the
 //! duplicates found into the candidates the marking takes.
 
-use std::collections::HashMap;
-
 use rksm_common::{sample::digest_of, PAGE};
 
 use super::{
@@ -13,13 +11,14 @@ use super::{
 use crate::engine::{
     checksum::NO_CHECKSUM,
     index::{Content, Index, PageRef, Placement},
+    keys::PidMap,
     pages::PageInfo,
 };
 
 /// Records `page` and `of`, found equal under `checksum`, among the pass's merge candidates:
 /// marking both lets ksmd merge them.
 pub(super) fn add_pair(
-    candidates: &mut HashMap<u32, Vec<(u64, u64)>>,
+    candidates: &mut PidMap<Vec<(u64, u64)>>,
     page: PageRef,
     of: PageRef,
     checksum: u64,

@@ -145,12 +145,25 @@ fn read_and_hash(job: ReadJob, kind: ChecksumKind) -> ReadDone {
     let result = reader::read_pages(&mem, &addrs, &mapped_once, &mut bytes, &mut read_ok);
     let hashing = Instant::now();
     let sums = match result {
-        Ok(_) => (0..addrs.len())
-            .map(|slot| match read_ok[slot] {
-                true => kind.checksum(&bytes[slot * PAGE..(slot + 1) * PAGE]),
-                false => NO_CHECKSUM,
-            })
-            .collect(),
+        Ok(_) => {
+            let pages: Vec<&[u8; PAGE]> = bytes
+                .as_chunks::<PAGE>()
+                .0
+                .iter()
+                .zip(&read_ok)
+                .filter_map(|(page, &ok)| ok.then_some(page))
+                .collect();
+            let mut read_sums = vec![0; pages.len()];
+            kind.checksum_pages(&pages, &mut read_sums);
+            let mut read_sums = read_sums.into_iter();
+            read_ok
+                .iter()
+                .map(|&ok| match ok {
+                    true => read_sums.next().unwrap_or(NO_CHECKSUM),
+                    false => NO_CHECKSUM,
+                })
+                .collect()
+        }
         Err(_) => Vec::new(),
     };
     ReadDone {

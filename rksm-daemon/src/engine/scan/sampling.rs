@@ -16,6 +16,10 @@ use crate::{
     kernel::procfs::{Pagemap, PagemapEntry},
 };
 
+/// How many pages ahead of its meeting a digest's place in the sample index is fetched: the
+/// digests of a batch are unrelated, so each meeting would otherwise wait for memory.
+const MEET_AHEAD: usize = 16;
+
 /// The buffers of the sampling stage, kept from batch to batch.
 #[derive(Default)]
 pub(super) struct SampleBatch {
@@ -60,7 +64,10 @@ impl SampleBatch {
         sampler.sample(&self.pfns, &mut self.digests)?;
         self.alone.clear();
         self.alone_digests.clear();
-        for (&addr, &digest) in self.addrs.iter().zip(&self.digests) {
+        for (i, (&addr, &digest)) in self.addrs.iter().zip(&self.digests).enumerate() {
+            if let Some(&ahead) = self.digests.get(i + MEET_AHEAD) {
+                index.prefetch(ahead);
+            }
             if digest == rksm_common::sample::UNREAD {
                 work.sparse.push(addr);
                 continue;

@@ -85,8 +85,10 @@ impl Vma {
             inode,
             name,
         };
-        (vma.start < vma.end && vma.start % PAGE_SIZE == 0 && vma.end % PAGE_SIZE == 0)
-            .then_some(vma)
+        (vma.start < vma.end
+            && vma.start.is_multiple_of(PAGE_SIZE)
+            && vma.end.is_multiple_of(PAGE_SIZE))
+        .then_some(vma)
     }
 }
 
