@@ -5,7 +5,7 @@
 #
 #   cargo xtask build && sudo scripts/bench-report.sh [OUT]
 #
-# Takes about 25 minutes on two cores; needs about 17 GiB free for the 16 GiB profile.
+# Takes about 27 minutes on two cores; needs about 17 GiB free for the 16 GiB profile.
 set -eu
 out=${1:-bench-report}
 rksm=${RKSM:-target/release/rksm}
@@ -16,10 +16,11 @@ run() {
         --only "$only" --repeat 1 --out "$out/$profile" "$@"
 }
 # What rksm costs against ksmd and hash-only, and each dirty mode, both checksums.
-run static 30 ksmd,ksmd-tuned,ksmd-advisor,hash-only,pagemap,ebpf
-run static-4g 30 ksmd-tuned,ksmd-advisor,hash-only,pagemap,ebpf,ebpf-read --checksum xxh64
+# ksmd-duplicates: ksmd told only the duplicates, the floor of what merging them costs it.
+run static 30 ksmd,ksmd-tuned,ksmd-advisor,ksmd-duplicates,hash-only,pagemap,ebpf
+run static-4g 30 ksmd-tuned,ksmd-advisor,ksmd-duplicates,hash-only,pagemap,ebpf,ebpf-read --checksum xxh64
 # New memory: sampled against read whole, where a quarter is duplicated, at 4 and 16 GiB,
 # and where every page looks alike to the sample.
-run quarter-4g 30 ksmd-tuned,ebpf,ebpf-read --checksum xxh64
+run quarter-4g 30 ksmd-tuned,ksmd-duplicates,ebpf,ebpf-read --checksum xxh64
 run quarter-16g 45 hash-only,ebpf,ebpf-read --checksum xxh64
 run alike-4g 30 ebpf,ebpf-read --checksum xxh64

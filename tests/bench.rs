@@ -74,6 +74,58 @@ fn a_workload_verifies_its_own_memory_while_it_writes() {
     std::fs::remove_file(profile).unwrap();
 }
 
+#[test]
+fn a_workload_told_to_mark_its_duplicates_marks_exactly_them() {
+    require_root();
+    let profile = tiny_profile("marks");
+    let mut workload = rksm_command()
+        .args(["workload", "--profile", profile.to_str().unwrap()])
+        .arg("--mark-duplicates")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = workload.stdin.take().unwrap();
+    let mut stdout = BufReader::new(workload.stdout.take().unwrap());
+    let mut line = String::new();
+    stdout.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "ready");
+    // The kernel's own account: the VMAs flagged mergeable (`mg`) in smaps.
+    let smaps = std::fs::read_to_string(format!("/proc/{}/smaps", workload.id())).unwrap();
+    let mut vmas: Vec<(u64, u64, bool)> = Vec::new();
+    for l in smaps.lines() {
+        if let Some((range, _)) = l.split_once(' ') {
+            if let Some((s, e)) = range.split_once('-') {
+                if let (Ok(s), Ok(e)) = (u64::from_str_radix(s, 16), u64::from_str_radix(e, 16)) {
+                    vmas.push((s, e, false));
+                    continue;
+                }
+            }
+        }
+        if let Some(flags) = l.strip_prefix("VmFlags:") {
+            let last = vmas.last_mut().expect("flags follow their VMA");
+            last.2 = flags.split_whitespace().any(|f| f == "mg");
+        }
+    }
+    let marked: Vec<_> = vmas.iter().filter(|v| v.2).collect();
+    // 2 MiB duplicated and 1 MiB of zeros, at the start of its one 6 MiB mapping.
+    assert_eq!(marked.len(), 1, "{vmas:x?}");
+    let (start, end, _) = *marked[0];
+    assert_eq!(end - start, 3 << 20, "{vmas:x?}");
+    let rest = vmas
+        .iter()
+        .find(|v| v.0 == end)
+        .expect("the rest of the mapping follows");
+    assert_eq!(rest.1 - rest.0, 3 << 20, "{vmas:x?}");
+    writeln!(stdin, "verify").unwrap();
+    line.clear();
+    stdout.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "ok");
+    writeln!(stdin, "exit").unwrap();
+    assert!(workload.wait().unwrap().success());
+    std::fs::remove_file(profile).unwrap();
+}
+
 /// Changes one byte of the test's own workload through /proc/PID/mem (root only), to check
 /// that its self-verification notices.
 fn scribble(pid: u32, addr: u64) {
@@ -129,7 +181,18 @@ fn bench_compares_every_configuration_and_checks_integrity() {
             );
         }
     }
-    assert!(rows.iter().any(|r| r.0 == "ksmd") && rows.iter().any(|r| r.0 == "ksmd-tuned"));
+    for mode in ["ksmd", "ksmd-tuned", "ksmd-advisor", "ksmd-duplicates"] {
+        assert!(
+            rows.contains(&(mode.to_string(), "xxh64".to_string())),
+            "{rows:?}"
+        );
+    }
+    // ksmd told only the duplicates merges them: 2 processes x 512 duplicate pages.
+    let told = runs
+        .iter()
+        .find(|r| r["mode"] == "ksmd-duplicates")
+        .unwrap();
+    assert!(told["pages_sharing"].as_u64().unwrap() >= 512, "{told}");
     for run in runs {
         let rksm_row = !run["mode"].as_str().unwrap().starts_with("ksmd");
         for key in ["pages_sharing", "pages_hashed", "pages_unshared"] {

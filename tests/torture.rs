@@ -9,7 +9,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use rksm::tools::workload::WorkloadProcess;
+use rksm::tools::workload::{Marks, WorkloadProcess};
 use rksm_tests::{ksm_turn, require_root, rksm_command};
 
 /// A profile with writers at `rate` pages per second, half of them rewriting the same value
@@ -46,7 +46,7 @@ fn memory_stays_exact_under_random_writers_in_every_mode() {
                     &rksm_tests::built_binary("rksm"),
                     p.to_str().unwrap(),
                     i as u32,
-                    false,
+                    Marks::Nothing,
                 )
                 .unwrap()
             })

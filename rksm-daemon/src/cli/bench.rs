@@ -17,8 +17,8 @@ use super::BadInput;
 /// Compare ksmd and rksm's modes on the same workload, side by side, in one run.
 ///
 /// Runs ksmd at its default settings, ksmd paced to sweep in rksm's interval, ksmd steered by
-/// the kernel's advisor, and the rksm daemon in hash-only,
-/// pagemap and ebpf mode with xxh64 and crc32c, each on fresh workload processes, and reports
+/// the kernel's advisor, ksmd told only the duplicates (the floor of what merging them costs
+/// it), and the rksm daemon in hash-only, pagemap and ebpf mode with xxh64 and crc32c, each on fresh workload processes, and reports
 /// pages_sharing over time, time and CPU (rksm + ksmd) to 90% of the achievable savings, pages
 /// hashed per pass, checksum time, CoW breaks, pages_unshared, and an integrity check of every
 /// workload. Needs root and no other rksm daemon running.
@@ -56,8 +56,9 @@ pub struct BenchArgs {
     /// Write report.md, report.json and pages_sharing.svg here.
     #[arg(long, value_name = "DIR")]
     out: Option<PathBuf>,
-    /// Only these configurations, comma-separated (ksmd, ksmd-tuned, ksmd-advisor, hash-only,
-    /// pagemap, ebpf, ebpf-read: ebpf reading every new page whole) [default: all].
+    /// Only these configurations, comma-separated (ksmd, ksmd-tuned, ksmd-advisor,
+    /// ksmd-duplicates: ksmd told only the duplicates, hash-only, pagemap, ebpf, ebpf-read:
+    /// ebpf reading every new page whole) [default: all].
     #[arg(long, value_name = "LIST", value_delimiter = ',')]
     only: Vec<String>,
     /// Print `{"runs":[...]}` instead of the table.
@@ -131,6 +132,10 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         if !args.only.is_empty() && !args.only.iter().any(|o| o == config.name()) {
             continue;
         }
+        // A guest marks all its RAM itself: there are no duplicates to tell ksmd of.
+        if profile.is_guests() && matches!(config, bench::Config::KsmdDuplicates) {
+            continue;
+        }
         // ksmd's rows use the kernel's own checksum, whatever is asked.
         let ksmd = !matches!(config, bench::Config::Rksm(_));
         if args
@@ -201,6 +206,10 @@ pub struct WorkloadArgs {
     /// Mark the memory MADV_MERGEABLE (for ksmd-only runs).
     #[arg(long)]
     mergeable: bool,
+    /// Mark only the duplicated and zero-filled memory MADV_MERGEABLE (ksmd told where the
+    /// duplicates are).
+    #[arg(long, conflicts_with = "mergeable")]
+    mark_duplicates: bool,
 }
 
 pub fn run_workload(args: WorkloadArgs) -> anyhow::Result<()> {
@@ -212,5 +221,10 @@ pub fn run_workload(args: WorkloadArgs) -> anyhow::Result<()> {
         ))
         .into());
     }
-    workload::serve(&profile, args.index, args.mergeable).context("workload")
+    let marks = match (args.mergeable, args.mark_duplicates) {
+        (true, _) => workload::Marks::Everything,
+        (_, true) => workload::Marks::Duplicates,
+        _ => workload::Marks::Nothing,
+    };
+    workload::serve(&profile, args.index, marks).context("workload")
 }

@@ -229,6 +229,12 @@ impl Profile {
         (mib * 256) as usize
     }
 
+    /// Pages of its processes that are duplicated or zero-filled (what `Marks::Duplicates`
+    /// marks).
+    pub fn duplicate_pages(&self) -> u64 {
+        u64::from(self.processes) * 256 * (self.duplicate_mib + self.zero_mib)
+    }
+
     /// Pages merging can free at best: every copy of a duplicate page but one, every zero page
     /// but those ksmd keeps (one per `max_page_sharing` sharers).
     pub fn achievable_sharing(&self, max_page_sharing: u64) -> u64 {
@@ -328,10 +334,21 @@ struct Expected {
     seeds: Vec<Option<u64>>,
 }
 
+/// What a workload process marks MADV_MERGEABLE itself, for the runs of ksmd alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Marks {
+    /// Nothing: rksm decides what is marked.
+    Nothing,
+    /// All its memory, as a program that asks for KSM does.
+    Everything,
+    /// Only its duplicated and zero-filled pages, as if something had found them for free.
+    Duplicates,
+}
+
 /// Runs one workload process: fills memory, prints `ready`, then answers `verify` (`ok` or
-/// `mismatch PAGE`) and `exit` on stdin until stdin closes. With `mergeable` it marks its own
-/// memory MADV_MERGEABLE (the ksmd configurations).
-pub fn serve(profile: &Profile, index: u32, mergeable: bool) -> io::Result<()> {
+/// `mismatch PAGE`) and `exit` on stdin until stdin closes. It marks its own memory
+/// MADV_MERGEABLE as `marks` says (the ksmd configurations).
+pub fn serve(profile: &Profile, index: u32, marks: Marks) -> io::Result<()> {
     let (dup, zero, unique, volatile, fork) = (
         Profile::pages(profile.duplicate_mib),
         Profile::pages(profile.zero_mib),
@@ -385,9 +402,15 @@ pub fn serve(profile: &Profile, index: u32, mergeable: bool) -> io::Result<()> {
             }
         }
     }
-    if mergeable && total > 0 {
-        // SAFETY: madvise on our own mapping.
-        if unsafe { libc::madvise(memory.base.cast(), total * PAGE, libc::MADV_MERGEABLE) } != 0 {
+    // The layout puts the duplicated pages first, then the zero-filled ones.
+    let marked = match marks {
+        Marks::Nothing => 0,
+        Marks::Everything => total,
+        Marks::Duplicates => dup + zero,
+    };
+    if marked > 0 {
+        // SAFETY: madvise on our own mapping, `marked` pages from its start.
+        if unsafe { libc::madvise(memory.base.cast(), marked * PAGE, libc::MADV_MERGEABLE) } != 0 {
             return Err(io::Error::last_os_error());
         }
     }
@@ -457,7 +480,7 @@ impl WorkloadProcess {
         rksm: &std::path::Path,
         profile: &str,
         index: u32,
-        mergeable: bool,
+        marks: Marks,
     ) -> io::Result<WorkloadProcess> {
         let mut cmd = std::process::Command::new(rksm);
         cmd.args([
@@ -467,8 +490,14 @@ impl WorkloadProcess {
             "--index",
             &index.to_string(),
         ]);
-        if mergeable {
-            cmd.arg("--mergeable");
+        match marks {
+            Marks::Nothing => {}
+            Marks::Everything => {
+                cmd.arg("--mergeable");
+            }
+            Marks::Duplicates => {
+                cmd.arg("--mark-duplicates");
+            }
         }
         let mut child = cmd
             .stdin(std::process::Stdio::piped())

@@ -1,14 +1,16 @@
 //! `rksm bench`: ksmd against rksm's modes on the same workload, measured side by side.
 //!
 //! The linux-mm experiment that started rksm measured, per hash function, CoW count,
-//! checksum time per page, pages_sharing and pages_unshared. This module reruns it for six
+//! checksum time per page, pages_sharing and pages_unshared. This module reruns it for seven
 //! configurations on one machine in one run: ksmd alone at its default pace with the
 //! workloads' memory marked mergeable, ksmd paced to sweep that memory in rksm's interval,
 //! ksmd steered by the kernel's own advisor (`advisor_mode=scan-time`, what a user would pick
-//! instead of rksm), and the rksm daemon in hash-only, pagemap and ebpf mode, each rksm mode
-//! with xxh64 and crc32c. Every run starts fresh workloads (`rksm workload`), samples
-//! pages_sharing and the CPU time of rksm and of ksmd from /proc twice a second, and ends by
-//! asking every workload to check its own memory. The last 40% of each run is its steady
+//! instead of rksm), ksmd told only the duplicates (the workloads mark just those: what the
+//! merging alone costs ksmd, the floor for rksm, which hands it the same pages), and the
+//! rksm daemon in hash-only, pagemap and ebpf mode, each rksm mode with xxh64 and crc32c.
+//! Every run starts fresh workloads (`rksm workload`), samples pages_sharing and the CPU
+//! time of rksm and of ksmd from /proc ten times a second, and ends by asking every workload
+//! to check its own memory. The last 40% of each run is its steady
 //! state, reported on its own: what rksm and ksmd cost per minute once merging has settled.
 
 use std::{
@@ -31,7 +33,10 @@ use crate::{
         ksmd::{self, KsmdError, KsmdOwner, KsmdSettings},
         reader::{self, ProcMem},
     },
-    tools::{guest::GuestImage, workload::Profile},
+    tools::{
+        guest::GuestImage,
+        workload::{Marks, Profile},
+    },
 };
 
 /// One configuration of the comparison.
@@ -43,6 +48,10 @@ pub enum Config {
     KsmdTuned,
     /// ksmd alone, its pace set by the kernel's advisor to sweep in rksm's interval.
     KsmdAdvisor,
+    /// ksmd alone over only the duplicated and zero-filled pages, which the workloads mark
+    /// themselves, paced as the daemon paces it: what merging the duplicates costs ksmd when
+    /// finding them costs nothing, the floor under any design that leaves the merge to ksmd.
+    KsmdDuplicates,
     /// The rksm daemon in a dirty mode.
     Rksm(&'static str),
 }
@@ -53,6 +62,14 @@ impl Config {
     fn own_ksmd(self, mergeable_pages: u64, sweep_secs: f64) -> Result<KsmdOwner, KsmdError> {
         let settings = match self {
             Config::KsmdTuned => ksmd::pace(mergeable_pages, sweep_secs, 20),
+            Config::KsmdDuplicates => {
+                let daemon = crate::daemon::DaemonConfig::default();
+                ksmd::pace(
+                    mergeable_pages,
+                    daemon.ksmd_sweep.as_secs_f64(),
+                    daemon.ksmd_sleep_millisecs,
+                )
+            }
             _ => KsmdSettings {
                 run: 1,
                 pages_to_scan: 100,
@@ -68,7 +85,16 @@ impl Config {
 
     /// Whether ksmd runs alone in this configuration, over memory the workloads marked.
     fn ksmd_only(self) -> bool {
-        matches!(self, Config::Ksmd | Config::KsmdTuned | Config::KsmdAdvisor)
+        !matches!(self, Config::Rksm(_))
+    }
+
+    /// What the workloads mark themselves in this configuration.
+    fn marks(self) -> Marks {
+        match self {
+            Config::Rksm(_) => Marks::Nothing,
+            Config::KsmdDuplicates => Marks::Duplicates,
+            _ => Marks::Everything,
+        }
     }
 
     /// The `mode` column.
@@ -77,6 +103,7 @@ impl Config {
             Config::Ksmd => "ksmd",
             Config::KsmdTuned => "ksmd-tuned",
             Config::KsmdAdvisor => "ksmd-advisor",
+            Config::KsmdDuplicates => "ksmd-duplicates",
             Config::Rksm(mode) => mode,
         }
     }
@@ -257,6 +284,7 @@ pub fn matrix() -> Vec<(Config, &'static str)> {
         (Config::Ksmd, "xxh64"),
         (Config::KsmdTuned, "xxh64"),
         (Config::KsmdAdvisor, "xxh64"),
+        (Config::KsmdDuplicates, "xxh64"),
     ];
     for mode in ["hash-only", "pagemap", "ebpf"] {
         for checksum in ["xxh64", "crc32c"] {
@@ -402,8 +430,13 @@ mod tests {
     #[test]
     fn the_matrix_has_every_mode_with_both_checksums() {
         let m = matrix();
-        assert_eq!(m.len(), 10);
+        assert_eq!(m.len(), 11);
         assert!(m.contains(&(Config::KsmdAdvisor, "xxh64")));
+        assert!(m.contains(&(Config::KsmdDuplicates, "xxh64")));
+        // The workloads of ksmd alone mark their memory themselves; rksm's leave it to rksm.
+        assert_eq!(Config::KsmdTuned.marks(), Marks::Everything);
+        assert_eq!(Config::KsmdDuplicates.marks(), Marks::Duplicates);
+        assert_eq!(Config::Rksm("ebpf").marks(), Marks::Nothing);
         assert!(m.contains(&(Config::Rksm("ebpf"), "crc32c")));
     }
 }

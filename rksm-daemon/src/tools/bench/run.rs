@@ -1,5 +1,5 @@
 //! One run of one configuration: start fresh workloads, start what is measured (ksmd at a
-//! pace, or the rksm daemon), sample pages_sharing and both CPU times twice a second, stop,
+//! pace, or the rksm daemon), sample pages_sharing and both CPU times ten times a second, stop,
 //! check every workload's memory, and reduce the samples to a [`RunResult`].
 
 use std::{
@@ -19,7 +19,7 @@ use crate::{
     service::status,
     tools::{
         guest::{self, GuestError, GuestMemory, GuestProcess},
-        workload::WorkloadProcess,
+        workload::{Marks, WorkloadProcess},
     },
 };
 
@@ -67,16 +67,16 @@ enum Workload {
 
 impl Workload {
     /// Starts the profile's processes and waits until every one has filled its memory.
-    /// `mergeable` marks a workload process's memory (a guest marks its own).
+    /// A workload process marks its memory as `marks` says (a guest marks its own).
     fn start_all(
         plan: &BenchPlan,
         profile_arg: &str,
-        mergeable: bool,
+        marks: Marks,
     ) -> Result<Vec<Self>, BenchError> {
         let n = plan.profile.processes;
         let Some(image) = plan.guest.as_ref().filter(|_| plan.profile.is_guests()) else {
             return (0..n)
-                .map(|i| WorkloadProcess::start(&plan.rksm, profile_arg, i, mergeable))
+                .map(|i| WorkloadProcess::start(&plan.rksm, profile_arg, i, marks))
                 .map(|w| w.map(Workload::Process).map_err(BenchError::Workload))
                 .collect();
         };
@@ -205,6 +205,10 @@ impl Subject {
         match config {
             Config::Ksmd | Config::KsmdTuned => {
                 subject.ksmd = Some(config.own_ksmd(mergeable_pages, plan.interval)?);
+            }
+            Config::KsmdDuplicates => {
+                let marked = plan.profile.duplicate_pages();
+                subject.ksmd = Some(config.own_ksmd(marked, plan.interval)?);
             }
             Config::KsmdAdvisor => {
                 // At ksmd's defaults; the advisor then sets its pace.
@@ -346,7 +350,14 @@ impl Baseline {
     }
 }
 
-/// Samples twice a second until the run is over: `plan.run_seconds`, or, for ksmd at its
+/// How often a run is sampled: CPU to 90% of the savings is read at the first sample past
+/// the 90%, so a coarser sampling adds up to a sample's worth of CPU to every row.
+const SAMPLE_EVERY: Duration = Duration::from_millis(100);
+/// Samples between two queries of the daemon's status (once a second): asking costs the
+/// daemon CPU, which a run measures.
+const SAMPLES_PER_STATUS: usize = 10;
+
+/// Samples ten times a second until the run is over: `plan.run_seconds`, or, for ksmd at its
 /// default pace, until it reaches `target` pages_sharing (bounded by its cap).
 fn watch(
     plan: &BenchPlan,
@@ -373,15 +384,14 @@ fn watch(
         }
     };
     while keep_going(&w.samples) {
-        std::thread::sleep(Duration::from_millis(500));
+        std::thread::sleep(SAMPLE_EVERY);
         if let Some(cpu) = daemon_pid.and_then(cpu_seconds) {
             w.rksm_cpu = cpu;
         }
         if let Some(now) = daemon_pid.and_then(resident_kib) {
             w.rss = Some(now);
         }
-        // The status once a second: asking costs the daemon CPU, which this measures.
-        if daemon_pid.is_some() && w.samples.len() % 2 == 0 {
+        if daemon_pid.is_some() && w.samples.len().is_multiple_of(SAMPLES_PER_STATUS) {
             let last = status::query(socket).ok().and_then(|s| s.last_pass);
             if let Some(pass) = last {
                 if w.passes.last().is_none_or(|p| p.number < pass.number) {
@@ -413,9 +423,8 @@ pub fn run_once(
     config: Config,
     checksum: &str,
 ) -> Result<RunResult, BenchError> {
-    let mergeable = config.ksmd_only();
     settle()?;
-    let mut workloads = Workload::start_all(plan, profile_arg, mergeable)?;
+    let mut workloads = Workload::start_all(plan, profile_arg, config.marks())?;
     let base = Baseline::now()?;
     let achievable = plan
         .profile

@@ -268,6 +268,14 @@ pub fn verdicts(runs: &[RunResult], profile: &Profile, memory: Option<MemorySpee
         }
         _ => lines.push("NOT MEASURED: (c) rksm ebpf or ksmd-tuned did not reach 90% of the achievable savings within the run".into()),
     }
+    // What merging the duplicates costs ksmd when nothing has to find them.
+    let told = find("ksmd-duplicates").and_then(|r| r.cpu_to_90pct);
+    if let (Some(k), Some(t)) = (told, tuned.and_then(|r| r.cpu_to_90pct)) {
+        lines.push(format!(
+            "FOR REFERENCE: (c) ksmd told only the duplicates: {k:.2} CPU s to 90% of the savings, {:.2}x of ksmd-tuned (the floor under any design that leaves the merge to ksmd)",
+            k / t.max(1e-9)
+        ));
+    }
     // (d) Convergence.
     let to_90 = ebpf.seconds_to_90pct;
     let tuned_90 = tuned
@@ -371,6 +379,21 @@ mod tests {
             ebpf,
             run("ebpf", "crc32c", 4000, Some(9.0), Some(9.0)),
         ]
+    }
+
+    #[test]
+    fn ksmd_told_the_duplicates_is_shown_after_c_as_its_floor() {
+        let mut runs = rows();
+        runs.push(run("ksmd-duplicates", "xxh64", 5000, Some(2.0), Some(1.5)));
+        let v = verdicts(&runs, &profile("static-4g"), memory(10.0));
+        assert_eq!(
+            v[5],
+            "FOR REFERENCE: (c) ksmd told only the duplicates: 1.50 CPU s to 90% of the savings, 0.50x of ksmd-tuned (the floor under any design that leaves the merge to ksmd)"
+        );
+        assert!(v[6].contains("(d)"), "{v:?}");
+        // Not measured, not shown.
+        let v = verdicts(&rows(), &profile("static-4g"), memory(10.0));
+        assert!(!v.iter().any(|l| l.contains("told only")), "{v:?}");
     }
 
     #[test]
