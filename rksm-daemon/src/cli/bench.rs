@@ -18,10 +18,11 @@ use super::BadInput;
 ///
 /// Runs ksmd at its default settings, ksmd paced to sweep in rksm's interval, ksmd steered by
 /// the kernel's advisor, ksmd told only the duplicates (the floor of what merging them costs
-/// it), and the rksm daemon in hash-only, pagemap and ebpf mode with xxh64 and crc32c, each on fresh workload processes, and reports
-/// pages_sharing over time, time and CPU (rksm + ksmd) to 90% of the achievable savings, pages
-/// hashed per pass, checksum time, CoW breaks, pages_unshared, and an integrity check of every
-/// workload. Needs root and no other rksm daemon running.
+/// it), and the rksm daemon in hash-only, pagemap and ebpf mode with xxh64 and crc32c, each
+/// on fresh workload processes, and reports pages_sharing over time, time and CPU (rksm +
+/// ksmd) to 90% of the achievable savings, pages hashed per pass, checksum time, CoW breaks,
+/// pages_unshared, and an integrity check of every workload. Needs root and no other rksm
+/// daemon running.
 #[derive(Debug, Args)]
 #[command(
     after_help = "Example:\n  rksm bench --quick\n  rksm bench --profile mixed --repeat 3 --out bench-report --json\n  cargo xtask guest-image && rksm bench --profile guests --guest-initrd target/guest/initrd.cpio --interval 5 --seconds 120"

@@ -6,9 +6,10 @@
 //! its latency is long, so a group of pages is hashed side by side, each page in its own
 //! register, which keeps the vector multiplier busy. The result is xxh64's own, bit for bit
 //! (a test checks it against the reference implementation): only the order in which the
-//! CPU does the work changes. 256-bit registers rather than 512: the same work per
-//! multiply on the CPUs measured, without the deeper clock drop that 512-bit multiplies
-//! cause on some Intel CPUs, which would slow whatever else runs on that core.
+//! CPU does the work changes. 256-bit registers rather than 512, although two pages to a
+//! 512-bit register hash a batch somewhat faster where the CPU has them: 512-bit multiplies
+//! lower the clock of their core on some Intel CPUs (Skylake-SP), which would slow whatever
+//! else runs on that core, and rksm shares the host with the processes it serves.
 
 use rksm_common::PAGE;
 

@@ -10,8 +10,8 @@
 //! rksm daemon in hash-only, pagemap and ebpf mode, each rksm mode with xxh64 and crc32c.
 //! Every run starts fresh workloads (`rksm workload`), samples pages_sharing and the CPU
 //! time of rksm and of ksmd from /proc ten times a second, and ends by asking every workload
-//! to check its own memory. The last 40% of each run is its steady
-//! state, reported on its own: what rksm and ksmd cost per minute once merging has settled.
+//! to check its own memory. The last 40% of each run is its steady state, reported on its
+//! own: what rksm and ksmd cost per minute once merging has settled.
 
 use std::{
     path::{Path, PathBuf},

@@ -113,9 +113,7 @@ pub const GOALS: [Goal; 9] = [
 
 /// The share of a profile's memory that is duplicates (zero pages included), in percent.
 fn duplicate_percent(profile: &Profile) -> f64 {
-    let duplicate_pages =
-        u64::from(profile.processes) * 256 * (profile.duplicate_mib + profile.zero_mib);
-    duplicate_pages as f64 * 100.0 / profile.mergeable_pages().max(1) as f64
+    profile.duplicate_pages() as f64 * 100.0 / profile.mergeable_pages().max(1) as f64
 }
 
 /// How goal `goal` is judged on `profile`: its verdict's prefix if met or not, and what to
