@@ -350,11 +350,15 @@ impl Armed {
     }
 
     /// Write-protects every armed page and returns the pages written since the previous call
-    /// (all pages, the first time). A range that fails (unmapped and mapped again meanwhile)
-    /// is dropped from the armed set, so its pages count as unprotected.
-    pub fn protect(&mut self) -> HashSet<u64> {
-        let all = self.registered.as_slice().to_vec();
-        self.scan_written(&all).pages
+    /// among those armed `before` it. The pages armed since are protected for the first time
+    /// and all count as written: the caller reads them in full, and they are not listed. A
+    /// range that fails (unmapped and mapped again meanwhile) is dropped from the armed set,
+    /// so its pages count as unprotected.
+    pub fn protect(&mut self, before: &RangeSet) -> HashSet<u64> {
+        let known = before.intersection(&self.registered);
+        let new = known.minus(self.registered.as_slice());
+        self.protect_new(&new);
+        self.scan_written(known.as_slice()).pages
     }
 
     /// Write-protects the armed pages in `ranges` (sorted) with PAGEMAP_SCAN and returns

@@ -91,7 +91,7 @@ pub(crate) fn pagemap_pass(armed: &mut Armed, vmas: &[Vma]) -> (HashSet<u64>, Ra
     let before = armed.armed_ranges().clone();
     armed.register(vmas);
     let walked = armed.armed_ranges().pages();
-    let written = armed.protect();
+    let written = armed.protect(&before);
     let trusted = before.intersection(armed.armed_ranges());
     (written, trusted, walked)
 }
@@ -128,7 +128,7 @@ pub(crate) fn ebpf_pass(
     let walked;
     if exact {
         walked = armed.armed_ranges().pages();
-        written = armed.protect();
+        written = armed.protect(&armed_before);
         audited = None;
     } else {
         let new = armed_before.minus(armed.armed_ranges().as_slice());
