@@ -148,19 +148,26 @@ pub mod sample {
     pub const SAMPLE_PROGRAM: &str = "rksm_sample";
     /// See [`SAMPLE_PROGRAM`].
     pub const LOCATE_PROGRAM: &str = "rksm_locate";
-    /// `Array<SampleJob>` of one entry: the batch in, the digests out.
+    /// `Array<SampleJob>` of one entry, mapped into the daemon (`BPF_F_MMAPABLE`): the batch
+    /// in, the digests out, with no copy of the job through a system call.
     pub const JOB: &str = "RKSM_SAMPLE_JOB";
+    /// `Array<u64>` of one entry, in the direct map, where the locator starts from.
+    pub const HINT: &str = "RKSM_SAMPLE_HINT";
     /// Pages per run of the sampler.
     pub const BATCH: usize = 512;
-    /// Where the sampled bytes are in a page: [`SAMPLE_BYTES`] at each, the middle of the page
-    /// and its last bytes. Each is one cache line, and a line not in the cache costs a trip
-    /// to memory whatever is read of it, so two lines is the sample: pages that differ only
-    /// in their last cache line differ in it, pages that share a header do not. Pages that
-    /// differ only elsewhere look alike to the sample and are read whole: it decides what is
-    /// compared, never what is equal.
-    pub const OFFSETS: [u64; 2] = [2048, 4064];
-    /// Bytes read at each offset.
-    pub const SAMPLE_BYTES: usize = 32;
+    /// The sampler takes pages this many at a time: a job's `count` is a multiple of it
+    /// (the daemon repeats a batch's last frame to make it one), and `BATCH` too.
+    pub const GROUP: usize = 8;
+    /// Where the sampled bytes are in a page: [`SAMPLE_BYTES`] at each, the cache line at the
+    /// middle of the page. A line not in the cache costs a trip to memory whatever is read
+    /// of it, and the sample is what touches every new page: one line a page is half the
+    /// trips of two. Pages that share a header differ in it, pages
+    /// of zeros with a few values near their start do not: pages that differ only outside
+    /// it look alike to the sample and are read whole. It decides what is compared, never
+    /// what is equal.
+    pub const OFFSETS: [u64; 1] = [2048];
+    /// Bytes read at each offset: the whole cache line.
+    pub const SAMPLE_BYTES: usize = 64;
     /// The sampled words of a page, in order.
     pub const WORDS: usize = OFFSETS.len() * SAMPLE_BYTES / 8;
     /// Where the direct map may begin, at the lowest (Linux's `__PAGE_OFFSET_BASE_L5`).
@@ -179,9 +186,9 @@ pub mod sample {
         /// Kernel virtual address of physical address 0 in the direct map. The locator
         /// writes it; before, it holds the full mix of the marker page's sampled words.
         pub base: u64,
-        /// The locator's scratch: where this job is in kernel memory.
+        /// The locator's scratch: a kernel address in the direct map.
         pub hint: u64,
-        /// Pages in this batch.
+        /// Pages in this batch: a multiple of [`GROUP`].
         pub count: u32,
         /// Reserved, zero.
         pub _pad: u32,
@@ -292,6 +299,4 @@ mod user {
     unsafe impl aya::Pod for super::TrackedProcess {}
     // SAFETY: as above.
     unsafe impl aya::Pod for super::TracerCounters {}
-    // SAFETY: as above.
-    unsafe impl aya::Pod for super::sample::SampleJob {}
 }

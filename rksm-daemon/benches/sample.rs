@@ -11,7 +11,8 @@
 //! four 16-byte samples of each page (four iovecs per page, 1,024 per call), and the way
 //! rksm samples: the batch's frame numbers read from pagemap and its digests taken by the
 //! eBPF sampler through the kernel's direct map (needs root and the eBPF object; skipped
-//! without). Criterion reports each batch; divide by 1,024 for a page.
+//! without), and the sampler alone with the frames already known. Criterion reports each
+//! batch; divide by 1,024 for a page.
 //!
 //! Run: `cargo bench -p rksm --bench sample` (also part of `cargo xtask bench`).
 
@@ -167,6 +168,26 @@ fn reads(c: &mut Criterion) {
             });
         }
         Err(e) => eprintln!("sampler_ebpf skipped: {e}"),
+    }
+    // The sampler alone, the frames known: what the trips to memory cost without pagemap.
+    if let Ok(mut sampler) = rksm::ebpf::sampler::Sampler::load(&mut rksm::ebpf::Object::new()) {
+        let pagemap = rksm::kernel::procfs::Pagemap::open(child.pid.as_raw() as u32).unwrap();
+        let mut entries = vec![rksm::kernel::procfs::PagemapEntry(0); BATCH];
+        let mut pfns = Vec::with_capacity(PAGES);
+        for k in 0..PAGES / BATCH {
+            pagemap.read(child.page(k, 0) as u64, &mut entries).unwrap();
+            pfns.extend(entries.iter().map(|e| e.pfn().expect("present")));
+        }
+        let mut digests = vec![0u32; BATCH];
+        group.bench_function("sampler_ebpf_frames_known", |b| {
+            b.iter(|| {
+                let k = next();
+                sampler
+                    .sample(&pfns[k * BATCH..(k + 1) * BATCH], &mut digests)
+                    .unwrap();
+                assert!(digests.iter().all(|&d| d != 0));
+            })
+        });
     }
     group.finish();
 }

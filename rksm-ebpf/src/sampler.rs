@@ -7,6 +7,7 @@
 use core::ptr::{null_mut, read_volatile, write_volatile};
 
 use aya_ebpf::{
+    bindings::BPF_F_MMAPABLE,
     helpers::{bpf_loop, bpf_probe_read_kernel},
     macros::{map, raw_tracepoint},
     maps::Array,
@@ -15,53 +16,71 @@ use aya_ebpf::{
 use rksm_common::sample::*;
 
 #[map(name = "RKSM_SAMPLE_JOB")]
-static JOB: Array<SampleJob> = Array::with_max_entries(1, 0);
+static JOB: Array<SampleJob> = Array::with_max_entries(1, BPF_F_MMAPABLE);
 
-/// Digests the job's `count` frames into its `digests`; returns how many it looked at.
+/// A value the kernel allocates with kmalloc, so in the direct map: the job's is vmalloc'd
+/// (an array the daemon maps), and vmalloc's area lies far above the direct map.
+#[map(name = "RKSM_SAMPLE_HINT")]
+static HINT: Array<u64> = Array::with_max_entries(1, 0);
+
+/// Digests the job's `count` frames into its `digests`, `GROUP` at a time (the daemon
+/// gives a multiple of it); returns how many it looked at.
 #[raw_tracepoint(tracepoint = "rksm_sample")]
 pub fn rksm_sample(_ctx: RawTracePointContext) -> i32 {
     let Some(job) = JOB.get_ptr(0) else {
         return -1;
     };
     // SAFETY: a pointer into the map's one value, which the lookup just checked.
-    let count = unsafe { (*job).count }.min(BATCH as u32);
+    let groups = unsafe { (*job).count }.min(BATCH as u32) / GROUP as u32;
     // SAFETY: the callback is a static function of this program; it takes no context.
-    unsafe { bpf_loop(count, sample_one as *mut _, null_mut(), 0) };
-    count as i32
+    unsafe { bpf_loop(groups, sample_group as *mut _, null_mut(), 0) };
+    (groups * GROUP as u32) as i32
 }
 
-/// One page of the batch.
-extern "C" fn sample_one(index: u64, _: *mut u8) -> i64 {
-    let i = index as usize;
+/// Pages `GROUP * index..` of the batch. A word of each is read first, one page after the
+/// other, so that the CPU has their trips to memory in flight at once; the sampled words
+/// are then read from the cache and mixed.
+extern "C" fn sample_group(index: u64, _: *mut u8) -> i64 {
     let Some(job) = JOB.get_ptr_mut(0) else {
         return 1;
     };
-    if i >= BATCH {
-        return 1;
-    }
-    // SAFETY: the map's one value, checked above; `i` is within its arrays.
+    // SAFETY: the map's one value, checked above.
     let job = unsafe { &mut *job };
-    let page = job.base.wrapping_add(job.pfns[i] << 12);
-    job.digests[i] = match read_words(page) {
-        Some(words) => digest(mix(&words)),
-        None => UNREAD,
-    };
+    // Masked, so that the verifier sees every index within the arrays.
+    let first = (index as usize & (BATCH / GROUP - 1)) * GROUP;
+    let mut k = 0;
+    while k < GROUP {
+        let page = job.base.wrapping_add(job.pfns[first + k] << 12);
+        // SAFETY: bpf_probe_read_kernel fails cleanly on an address it cannot read; a
+        // failure shows again in the read below.
+        let _ = unsafe { bpf_probe_read_kernel((page + OFFSETS[0]) as *const u64) };
+        k += 1;
+    }
+    let mut k = 0;
+    while k < GROUP {
+        let page = job.base.wrapping_add(job.pfns[first + k] << 12);
+        job.digests[first + k] = match read_words(page) {
+            Some(words) => digest(mix(&words)),
+            None => UNREAD,
+        };
+        k += 1;
+    }
     0
 }
 
 /// Finds the direct map: the job holds one marker frame (`pfns[0]`) and the mix of its
 /// sampled words (`base`); the direct map starts on a 1 GiB boundary at or below any kernel
-/// address in it, such as this job's own, and the first such boundary at which the marker
+/// address in it, such as [`HINT`]'s value's, and the first such boundary at which the marker
 /// frame reads as expected is its start. Sets `count` to 1 and `base` to the start if found.
 #[raw_tracepoint(tracepoint = "rksm_locate")]
 pub fn rksm_locate(_ctx: RawTracePointContext) -> i32 {
-    let Some(job) = JOB.get_ptr_mut(0) else {
+    let (Some(job), Some(hint)) = (JOB.get_ptr_mut(0), HINT.get_ptr_mut(0)) else {
         return -1;
     };
-    // SAFETY: the map's one value. The store keeps the job's kernel address (allowed to a
+    // SAFETY: the map's one value. The store keeps the hint's kernel address (allowed to a
     // program loaded with CAP_PERFMON) for the loop to read back as a number.
     unsafe {
-        write_volatile(&raw mut (*job).hint, job as u64);
+        write_volatile(&raw mut (*job).hint, hint as u64);
         (*job).count = 0;
     }
     // SAFETY: as in rksm_sample.

@@ -91,13 +91,16 @@ fn word(seed: u64, i: usize) -> u64 {
         ^ i as u64
 }
 
-/// Word `i` of page `p` of a look-alike run (`alike`): pages that the sampler's bytes (the
-/// middle of the page, its last 32 bytes) cannot tell apart, different elsewhere:
-/// `sample`: everything else unique; `oddbyte`: zeros but one value at an odd offset;
-/// `lastline`: one content but for the first half of the last cache line. Pages of the same
-/// `seed` and index are identical; pages of different seeds differ.
+/// Word `i` of page `p` of a look-alike run (`alike`): pages that the sampler's bytes
+/// (`rksm_common::sample::OFFSETS`) cannot tell apart, different elsewhere: `sample`:
+/// everything else unique; `oddbyte`: zeros but one value at an odd offset; `lastline`: one
+/// content but for the first half of the last cache line. Pages of the same `seed` and index
+/// are identical; pages of different seeds differ.
 fn alike_word(kind: &str, seed: u64, p: usize, i: usize) -> u64 {
-    let sampled = (256..260).contains(&i) || (508..512).contains(&i);
+    use rksm_common::sample::{OFFSETS, SAMPLE_BYTES};
+    let sampled = OFFSETS
+        .iter()
+        .any(|&at| (at as usize / 8..(at as usize + SAMPLE_BYTES) / 8).contains(&i));
     match kind {
         "sample" if sampled => 0x5a5a_5a5a_5a5a_5a5a,
         "sample" => word(seed + p as u64, i),

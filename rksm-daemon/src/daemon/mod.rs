@@ -509,6 +509,7 @@ impl Daemon {
         };
         if summary.number == 1 {
             self.stats.first_pass_seconds = summary.seconds;
+            self.stats.first_pass_cpu_seconds = procfs::own_cpu_seconds();
             // Pages taken up: read whole, or only sampled.
             self.stats.first_pass_pages = summary.pages_hashed + report.total.pages_only_sampled;
         }
@@ -576,6 +577,7 @@ impl Daemon {
         s.pages_sampled += report.total.pages_sampled;
         s.pages_only_sampled += report.total.pages_only_sampled;
         s.checksum_ns += report.total.checksum_ns;
+        s.pages_twinned += report.total.pages_twinned;
         s.remote_syscalls = self.marking_syscalls + self.scanner.dirty_remote_syscalls();
         let borrowing = self.borrower.counters();
         s.eintr_risk = borrowing.eintr_risk;

@@ -29,6 +29,10 @@ pub struct DaemonStats {
     pub pages_sampled: u64,
     /// Of those, pages whose digest met no other page's: never read (until written).
     pub pages_only_sampled: u64,
+    /// Of the pages read, new pages whose checksum was taken from a page just read with the
+    /// same bytes (its twin) rather than computed, all passes.
+    #[serde(default)]
+    pub pages_twinned: u64,
     /// Time spent in checksums, all passes.
     pub checksum_ns: u64,
     /// Write faults the tracer saw in the targets.
@@ -111,6 +115,10 @@ pub struct DaemonStats {
     /// Pages the first pass took up: read whole, or sampled and left unread.
     #[serde(default)]
     pub first_pass_pages: u64,
+    /// The daemon's CPU time from its start (its eBPF programs loaded, its targets found)
+    /// to the end of its first pass, all threads: what taking up that memory cost.
+    #[serde(default)]
+    pub first_pass_cpu_seconds: f64,
     /// The `run` value someone else wrote to ksmd while rksm owned it; rksm then stops
     /// pacing ksmd rather than fight them.
     pub ksmd_taken_back: Option<u64>,

@@ -6,12 +6,14 @@
 //! remote iovec pins its page under the target's mmap lock), so the sample is read where it
 //! costs a few loads: rksm-ebpf's `rksm_sample`, run on demand with `BPF_PROG_TEST_RUN`,
 //! reads the sampled words of each frame of a batch (frame numbers from pagemap) through the
-//! kernel's direct map with `bpf_probe_read_kernel`, and returns their digests.
+//! kernel's direct map with `bpf_probe_read_kernel`, and returns their digests. The job is a
+//! map the daemon has mapped into its memory: it writes the frame numbers there and reads
+//! the digests back, with no copy of the job in and out through a system call each batch.
 //!
 //! The direct map's start is randomised with the kernel's memory layout and is not in
 //! `/proc/kallsyms` without `CONFIG_KALLSYMS_ALL`, so `rksm_locate` finds it once: the daemon
 //! fills a page of its own with random words, locks it, reads its frame from pagemap, and
-//! the program tries each 1 GiB boundary below its own map's address until that frame reads
+//! the program tries each 1 GiB boundary below one of its maps' address until that frame reads
 //! back as written. The sampler is then checked against the marker page's known digest.
 //!
 //! A digest is a hint, never a verdict: a page whose sample matches another's is read whole,
@@ -20,14 +22,23 @@
 //! until the page is next written. It needs what loading a tracing program needs
 //! (CAP_BPF, CAP_PERFMON) and a kernel not locked down for confidentiality.
 
-use std::{fs::File, os::unix::fs::FileExt};
+use std::{
+    fs::File,
+    os::{
+        fd::{AsFd, AsRawFd},
+        unix::fs::FileExt,
+    },
+    ptr::NonNull,
+};
 
 use aya::{
-    maps::{Array, MapData},
+    maps::{Map, MapData},
     programs::{RawTracePoint, RawTracePointRunOptions, TestRun},
     Ebpf,
 };
-use rksm_common::sample::{self, SampleJob, BATCH, JOB, LOCATE_PROGRAM, SAMPLE_PROGRAM};
+use rksm_common::sample::{
+    self, SampleJob, BATCH, GROUP, HINT, JOB, LOCATE_PROGRAM, SAMPLE_PROGRAM,
+};
 
 use crate::{
     ebpf::{guard::GuardError, tracer::EBPF_OBJECT},
@@ -43,9 +54,9 @@ pub enum SamplerError {
     /// The kernel refused to load or run a program.
     #[error("the sampler program {0}: {1}")]
     Program(&'static str, aya::programs::ProgramError),
-    /// Reading or writing the job.
+    /// The job's map could not be mapped into the daemon.
     #[error("the sampler's job: {0}")]
-    Job(aya::maps::MapError),
+    Job(std::io::Error),
     /// The marker page could not be set up.
     #[error("the sampler's marker page: {0}")]
     Marker(std::io::Error),
@@ -64,10 +75,57 @@ pub enum SamplerError {
 
 /// The loaded sampler.
 pub struct Sampler {
-    job: Array<MapData, SampleJob>,
+    job: MappedJob,
     base: u64,
     /// Holds the programs.
     ebpf: Ebpf,
+}
+
+/// The job's one entry, mapped into the daemon: the program reads and writes it only while
+/// the daemon waits in `BPF_PROG_TEST_RUN`, so the two never touch it at once.
+struct MappedJob {
+    job: NonNull<SampleJob>,
+    len: usize,
+    /// The map, whose fd stays open as long as it is mapped.
+    _map: MapData,
+}
+
+impl MappedJob {
+    fn new(map: MapData) -> Result<Self, std::io::Error> {
+        let len = size_of::<SampleJob>().next_multiple_of(rksm_common::PAGE);
+        // SAFETY: maps the array's values (offset 0) of an fd that stays open in `_map`;
+        // the kernel checks the length against the map and its BPF_F_MMAPABLE flag.
+        let addr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                map.fd().as_fd().as_raw_fd(),
+                0,
+            )
+        };
+        if addr == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        let job = NonNull::new(addr.cast()).ok_or_else(|| std::io::Error::other("mmap gave 0"))?;
+        Ok(MappedJob {
+            job,
+            len,
+            _map: map,
+        })
+    }
+
+    fn get(&self) -> *mut SampleJob {
+        self.job.as_ptr()
+    }
+}
+
+impl Drop for MappedJob {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in new, not used after this.
+        unsafe { libc::munmap(self.job.as_ptr().cast(), self.len) };
+    }
 }
 
 /// A page of the daemon's own, filled with random words and locked while the sampler is set
@@ -134,7 +192,7 @@ impl Sampler {
         if EBPF_OBJECT.is_empty() {
             return Err(GuardError::NotBuiltIn.into());
         }
-        let mut ebpf = object.load(&[JOB], &[]).map_err(GuardError::from)?;
+        let mut ebpf = object.load(&[JOB, HINT], &[]).map_err(GuardError::from)?;
         for name in [SAMPLE_PROGRAM, LOCATE_PROGRAM] {
             let program: &mut RawTracePoint = ebpf
                 .program_mut(name)
@@ -143,22 +201,28 @@ impl Sampler {
                 .map_err(|e| SamplerError::Program(name, e))?;
             program.load().map_err(|e| SamplerError::Program(name, e))?;
         }
-        let map = ebpf.take_map(JOB).ok_or(GuardError::Missing(JOB))?;
-        let job = Array::try_from(map).map_err(|e| GuardError::Map(JOB, e))?;
+        let Map::Array(map) = ebpf.take_map(JOB).ok_or(GuardError::Missing(JOB))? else {
+            return Err(SamplerError::Job(std::io::Error::other("not an array map")));
+        };
+        let job = MappedJob::new(map).map_err(SamplerError::Job)?;
         let mut sampler = Sampler { job, base: 0, ebpf };
         let marker = Marker::new().map_err(SamplerError::Marker)?;
         let pfn = marker.pfn().map_err(SamplerError::Marker)?;
         let mixed = sample::mix(&sample::words_of(marker.bytes()));
-        let mut job = empty_job();
-        job.base = mixed;
-        job.pfns[0] = pfn;
-        sampler.job.set(0, job, 0).map_err(SamplerError::Job)?;
+        let job = sampler.job.get();
+        // SAFETY: the job's mapping, which the program touches only during a run.
+        unsafe {
+            (*job).base = mixed;
+            (*job).count = 0;
+            (*job).pfns[0] = pfn;
+        }
         sampler.run(LOCATE_PROGRAM)?;
-        let found = sampler.job.get(&0, 0).map_err(SamplerError::Job)?;
-        if found.count != 1 {
+        // SAFETY: as above; the run is over.
+        let (count, base) = unsafe { ((*job).count, (*job).base) };
+        if count != 1 {
             return Err(SamplerError::NotFound);
         }
-        sampler.base = found.base;
+        sampler.base = base;
         let mut digest = [0u32];
         sampler.sample(&[pfn], &mut digest)?;
         let expected = sample::digest(mixed);
@@ -188,28 +252,32 @@ impl Sampler {
     /// The digests of frames `pfns` into `digests` (as long): [`sample::UNREAD`] for a frame
     /// that could not be read.
     pub fn sample(&mut self, pfns: &[u64], digests: &mut [u32]) -> Result<(), SamplerError> {
-        let mut job = empty_job();
-        job.base = self.base;
+        let job = self.job.get();
         for (pfns, digests) in pfns.chunks(BATCH).zip(digests.chunks_mut(BATCH)) {
-            job.count = pfns.len() as u32;
-            job.pfns[..pfns.len()].copy_from_slice(pfns);
-            self.job.set(0, job, 0).map_err(SamplerError::Job)?;
+            let count = pfns.len().next_multiple_of(GROUP);
+            let last = pfns.last().copied().unwrap_or(0);
+            // SAFETY: the job's mapping; the program touches it only during the run below,
+            // and `pfns` and `digests` are at most BATCH long, as its arrays are (BATCH is
+            // a multiple of GROUP, so `count` is at most BATCH too).
+            unsafe {
+                (*job).base = self.base;
+                (*job).count = count as u32;
+                let to = (&raw mut (*job).pfns).cast::<u64>();
+                to.copy_from_nonoverlapping(pfns.as_ptr(), pfns.len());
+                // The program samples whole groups: the last frame again fills this one.
+                for i in pfns.len()..count {
+                    to.add(i).write(last);
+                }
+            }
             self.run(SAMPLE_PROGRAM)?;
-            let done = self.job.get(&0, 0).map_err(SamplerError::Job)?;
-            digests.copy_from_slice(&done.digests[..digests.len()]);
+            // SAFETY: as above; the run is over.
+            unsafe {
+                digests
+                    .as_mut_ptr()
+                    .copy_from_nonoverlapping((&raw const (*job).digests).cast(), digests.len());
+            }
         }
         Ok(())
-    }
-}
-
-fn empty_job() -> SampleJob {
-    SampleJob {
-        base: 0,
-        hint: 0,
-        count: 0,
-        _pad: 0,
-        pfns: [0; BATCH],
-        digests: [0; BATCH],
     }
 }
 

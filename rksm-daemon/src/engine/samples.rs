@@ -83,6 +83,11 @@ impl SampleIndex {
         Meets::Sampled
     }
 
+    /// Makes room for `pages` new pages' digests, about to be met.
+    pub fn reserve(&mut self, pages: usize) {
+        self.digests.reserve(pages);
+    }
+
     /// Fetches what [`SampleIndex::meet`] of `digest` reads first, a few pages ahead of it.
     pub fn prefetch(&self, digest: u32) {
         self.digests.prefetch(digest);

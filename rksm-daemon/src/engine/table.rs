@@ -197,8 +197,21 @@ impl<E: Entry> Table<E> {
         self.buckets.iter().copied().filter(|&e| e != E::NONE)
     }
 
+    /// Makes room for `additional` more entries at once, where the caller knows how many
+    /// are coming: growing by half at a time would move every entry several times over.
+    pub fn reserve(&mut self, additional: usize, hash_of: impl Fn(E) -> u64) {
+        let wanted = (self.len + additional) * MAX_LOAD.1 / MAX_LOAD.0 + 1;
+        if wanted > self.buckets.len() {
+            self.rebuild(wanted, &hash_of);
+        }
+    }
+
     fn grow(&mut self, hash_of: &impl Fn(E) -> u64) {
         let cap = (self.buckets.len() + self.buckets.len() / 2).max(16);
+        self.rebuild(cap, hash_of);
+    }
+
+    fn rebuild(&mut self, cap: usize, hash_of: &impl Fn(E) -> u64) {
         let old = std::mem::replace(&mut self.buckets, vec![E::NONE; cap]);
         for entry in old.into_iter().filter(|&e| e != E::NONE) {
             if let Err(i) = self.probe(hash_of(entry), |_| false) {
@@ -228,6 +241,11 @@ impl DigestSet {
         }
         self.table
             .insert(hash_digest(digest), digest, |e| e == digest, hash_digest)
+    }
+
+    /// Makes room for `additional` more digests at once.
+    pub fn reserve(&mut self, additional: usize) {
+        self.table.reserve(additional, hash_digest);
     }
 
     /// Fetches where `digest` would be, ahead of an [`DigestSet::insert`] of it.

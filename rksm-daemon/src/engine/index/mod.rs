@@ -252,6 +252,43 @@ impl Index {
         (placement, !(stable || ksm))
     }
 
+    /// Places a page read for the first time, as [`Index::place_first_read`] does, whose
+    /// bytes the caller found equal to those of `twin`, a page placed this pass under
+    /// `checksum`: it joins `twin`'s class without another comparison. If `twin` is no longer
+    /// in the index under `checksum` (a comparison found it changed since), it is placed as
+    /// any first read.
+    pub fn place_twin(
+        &mut self,
+        page: PageRef,
+        checksum: u64,
+        twin: PageRef,
+        ksm: bool,
+        content: Content<'_>,
+        src: &mut dyn ContentSource,
+    ) -> (Placement, bool) {
+        let found = match self.singles.get(&checksum) {
+            Some(single) if single.page() == twin => Some(Found::Single),
+            Some(_) => None,
+            None => self
+                .classes
+                .slots(checksum)
+                .find(|&slot| self.classes.get(slot).members.contains(twin))
+                .map(Found::Class),
+        };
+        let Some(found) = found else {
+            return self.place_first_read(page, checksum, ksm, content, src);
+        };
+        let (rep, stable) = match &found {
+            Found::Single => (twin, self.singles[&checksum].stable),
+            Found::Class(slot) => {
+                let c = self.classes.get(*slot);
+                (c.members.rep().unwrap_or(twin), c.stable)
+            }
+        };
+        self.join(checksum, found, page, ksm);
+        (Placement::Duplicate { of: rep }, !(stable || ksm))
+    }
+
     /// Places a page, `gate` saying whether it passed the checksum gate; also says whether
     /// the class it joined holds merged content.
     fn place_gated(

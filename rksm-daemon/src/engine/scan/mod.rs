@@ -1,7 +1,5 @@
 use std::{
     collections::{HashMap, HashSet, VecDeque},
-    sync::Arc,
-    thread,
     time::Instant,
 };
 
@@ -35,8 +33,12 @@ use reads::{LiveMemory, RecentBatches};
 pub use report::{PageCounts, PassReport, ProcessCounts, Progress};
 use sampling::settle;
 
-/// Pages looked at per pagemap read and per `process_vm_readv` batch (2 MiB of contents).
+/// Pages looked up per pagemap read (and sampled per run of the sampler).
 const CHUNK_PAGES: usize = 512;
+/// Pages read per batch (512 KiB of contents): a batch and the one before it stay in a
+/// core's cache while its pages are checksummed and compared with their twins (2 MiB
+/// batches did not).
+const READ_PAGES: usize = 128;
 const MIB: f64 = 1024.0 * 1024.0;
 
 /// How to scan.
@@ -166,6 +168,8 @@ struct InProgress<'t> {
     misses: u64,
     /// Pages of address space done, for progress.
     done: u64,
+    /// Pages of its steps taken so far: the targets read side by side are kept level by it.
+    taken: u64,
     error: Option<ProcessScanError>,
 }
 
@@ -178,15 +182,11 @@ struct Open {
     pid: u32,
     domain: u32,
     pagemap: Pagemap,
-    /// Shared with the reader threads.
-    mem: Arc<ProcMem>,
+    mem: ProcMem,
 }
 
 /// A chunk looked up in pagemap, waiting for its pages to be read before they are placed.
 struct Prepared {
-    /// Which of the pass's scans it belongs to.
-    scan: usize,
-    step: Step,
     /// Pages pagemap covered.
     got: usize,
     candidates: Vec<Candidate>,
@@ -213,9 +213,6 @@ pub struct Scanner {
     zero_checksum: u64,
     /// Physical pages mapped more than once, seen this pass, with their checksum once known.
     pfns_seen: KeyMap<u64>,
-    /// CPUs this process may run on, when it started: with one, reader threads would only
-    /// take turns with the scanner.
-    cpus: usize,
     /// Buffers for batches of pages read, not in use (one batch: [`CHUNK_PAGES`] pages).
     spare_batches: Vec<Vec<u8>>,
     entries: Vec<PagemapEntry>,
@@ -256,7 +253,6 @@ impl Scanner {
             dirty,
             kpageflags: KpageFlags::open()?,
             pfns_seen: KeyMap::default(),
-            cpus: thread::available_parallelism().map_or(1, |n| n.get()),
             spare_batches: Vec::new(),
             entries: vec![PagemapEntry(0); CHUNK_PAGES],
             live: LiveMemory::default(),

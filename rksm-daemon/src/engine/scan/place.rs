@@ -3,16 +3,21 @@
 
 use rksm_common::{sample::digest_of, PAGE};
 
+use std::time::Instant;
+
 use super::{
     reads::{preload_representatives, ReadDone},
     sampling::settle,
-    InProgress, Prepared, ProcessScanError, Scanner, Source,
+    Candidate, InProgress, Prepared, ProcessScanError, Scanner, Source,
 };
-use crate::engine::{
-    checksum::NO_CHECKSUM,
-    index::{Content, Index, PageRef, Placement},
-    keys::PidMap,
-    pages::PageInfo,
+use crate::{
+    engine::{
+        checksum::NO_CHECKSUM,
+        index::{Content, Index, PageRef, Placement},
+        keys::PidMap,
+        pages::PageInfo,
+    },
+    kernel::ranges::RangeSet,
 };
 
 /// Records `page` and `of`, found equal under `checksum`, among the pass's merge candidates:
@@ -31,7 +36,81 @@ pub(super) fn add_pair(
     }
 }
 
+/// Page `slot` of a batch's `bytes`.
+fn page_of(bytes: &[u8], slot: usize) -> &[u8; PAGE] {
+    bytes[slot * PAGE..(slot + 1) * PAGE]
+        .try_into()
+        .expect("a page's bytes")
+}
+
+/// The checksums of a batch's pages read, by slot.
+struct Checksums {
+    /// [`NO_CHECKSUM`] for a page that could not be read.
+    sums: Vec<u64>,
+    /// The sample's digest of each page read where one is needed: where new pages are
+    /// sampled, and of every first read, to find its twin by.
+    digests: Vec<Option<u32>>,
+    /// The page of a recent batch whose bytes a first read has, whose checksum it took.
+    twins: Vec<Option<PageRef>>,
+    /// Time spent on them.
+    ns: u64,
+}
+
 impl Scanner {
+    /// The checksum of every page of a batch that was read. A first read (a new page where
+    /// writes are tracked from now on) whose bytes equal those of a page of the recent
+    /// batches, found by the sample's digest, is that page's twin: it has that page's
+    /// checksum, computed from the same bytes, and needs no hashing. The others are hashed,
+    /// together (see [`ChecksumKind::checksum_pages`]). Hash-only and a page read again keep
+    /// KSM's rule: hashed every time.
+    fn checksums(
+        &self,
+        candidates: &[Candidate],
+        hold: &RangeSet,
+        read_ok: &[bool],
+        bytes: &[u8],
+    ) -> Checksums {
+        let started = Instant::now();
+        let slots = read_ok.len();
+        let mut sums = vec![NO_CHECKSUM; slots];
+        let mut digests = vec![None; slots];
+        let mut twins = vec![None; slots];
+        let mut to_hash = Vec::with_capacity(slots);
+        for candidate in candidates {
+            let Source::Read(slot) = candidate.source else {
+                continue;
+            };
+            if !read_ok[slot] {
+                continue;
+            }
+            let content = page_of(bytes, slot);
+            let first_read = candidate.previous == NO_CHECKSUM && hold.contains(candidate.addr);
+            if first_read || self.sampler.is_some() {
+                digests[slot] = Some(digest_of(content));
+            }
+            if let (true, Some(digest)) = (first_read, digests[slot]) {
+                if let Some((twin, sum)) = self.recent.twin(digest, content) {
+                    sums[slot] = sum;
+                    twins[slot] = Some(twin);
+                    continue;
+                }
+            }
+            to_hash.push(slot);
+        }
+        let pages: Vec<&[u8; PAGE]> = to_hash.iter().map(|&slot| page_of(bytes, slot)).collect();
+        let mut hashed = vec![0; pages.len()];
+        self.config.checksum.checksum_pages(&pages, &mut hashed);
+        for (&slot, sum) in to_hash.iter().zip(hashed) {
+            sums[slot] = sum;
+        }
+        Checksums {
+            sums,
+            digests,
+            twins,
+            ns: started.elapsed().as_nanos() as u64,
+        }
+    }
+
     /// Places the pages of a prepared step, once its read is `done`: what was read is
     /// checksummed, the present pages are placed and recorded in the target's pages. A page of
     /// the work's `unseen` whose checksum changed is counted as a miss.
@@ -44,10 +123,8 @@ impl Scanner {
         let ReadDone {
             addrs: to_read,
             bytes,
-            sums: fresh,
+            read_ok,
             result,
-            checksum_ns,
-            read_hash_ns,
         } = done;
         let InProgress {
             target,
@@ -74,9 +151,17 @@ impl Scanner {
         let (pages, held) = target.pages_and_held();
         let pid = open.pid;
         let kind = self.config.checksum;
-        counts.checksum_ns += checksum_ns;
-        counts.work_ns += read_hash_ns;
-        counts.pages_hashed += fresh.iter().filter(|&&c| c != NO_CHECKSUM).count() as u64;
+        let page_at = |slot: usize| page_of(&bytes, slot);
+        let checksums = self.checksums(&candidates, hold, &read_ok, &bytes);
+        counts.checksum_ns += checksums.ns;
+        counts.pages_hashed += read_ok.iter().filter(|&&ok| ok).count() as u64;
+        counts.pages_twinned += checksums.twins.iter().flatten().count() as u64;
+        let Checksums {
+            sums: fresh,
+            digests,
+            twins,
+            ..
+        } = checksums;
 
         let index = self
             .indexes
@@ -88,6 +173,7 @@ impl Scanner {
             .filter_map(|c| {
                 let sum = match c.source {
                     Source::Zero => return None,
+                    Source::Read(slot) if twins[slot].is_some() => return None,
                     Source::Read(slot) => fresh[slot],
                     Source::Known => c.previous,
                 };
@@ -101,10 +187,15 @@ impl Scanner {
             wanted,
             &mut self.rep_batch,
         );
+        let mut twin_list = Vec::new();
         for candidate in &candidates {
             let page = PageRef {
                 pid,
                 addr: candidate.addr,
+            };
+            let slot = match candidate.source {
+                Source::Read(slot) => Some(slot),
+                Source::Zero | Source::Known => None,
             };
             let (checksum, content) = match candidate.source {
                 Source::Zero => (self.zero_checksum, Content::Zero),
@@ -116,15 +207,12 @@ impl Scanner {
                 Source::Read(slot) => {
                     if unseen.contains(&candidate.addr) {
                         let changed = match work.sampled_before.get(&candidate.addr) {
-                            Some(&digest) => digest != digest_of(&bytes[slot * PAGE..][..PAGE]),
+                            Some(&digest) => digest != digest_of(page_at(slot)),
                             None => fresh[slot] != candidate.previous,
                         };
                         *misses += u64::from(changed);
                     }
-                    (
-                        fresh[slot],
-                        Content::Loaded(&bytes[slot * PAGE..(slot + 1) * PAGE]),
-                    )
+                    (fresh[slot], Content::Loaded(page_at(slot)))
                 }
                 Source::Known => (candidate.previous, Content::Unread),
             };
@@ -138,7 +226,10 @@ impl Scanner {
             let first_read = candidate.previous == NO_CHECKSUM
                 && matches!(candidate.source, Source::Read(_))
                 && hold.contains(candidate.addr);
-            let (placement, gated) = if first_read {
+            let twin = slot.and_then(|slot| twins[slot]);
+            let (placement, gated) = if let Some(twin) = twin {
+                index.place_twin(page, checksum, twin, candidate.ksm, content, &mut self.live)
+            } else if first_read {
                 index.place_first_read(page, checksum, candidate.ksm, content, &mut self.live)
             } else {
                 let placement = index.place(
@@ -174,6 +265,12 @@ impl Scanner {
                     continue;
                 }
             }
+            // A first read placed: a later page of the pass with its bytes is its twin.
+            if let (true, Some(slot)) = (first_read, slot) {
+                if let Some(digest) = digests[slot] {
+                    twin_list.push((digest, slot as u32));
+                }
+            }
             if is_zero {
                 counts.zero_pages += 1;
             }
@@ -183,7 +280,7 @@ impl Scanner {
             let digest = match (self.sampler.is_some(), content) {
                 (false, _) => None,
                 (true, Content::Zero) => Some(self.zero_digest),
-                (true, Content::Loaded(bytes)) => Some(digest_of(bytes)),
+                (true, Content::Loaded(_)) => slot.and_then(|slot| digests[slot]),
                 (true, Content::Unread) => candidate.digest,
             };
             pages.set_with_digest(
@@ -205,7 +302,7 @@ impl Scanner {
                 *known = checksum;
             }
         }
-        if let Some(spare) = self.recent.keep(pid, to_read, fresh, bytes) {
+        if let Some(spare) = self.recent.keep(pid, to_read, fresh, bytes, &twin_list) {
             self.spare_batches.push(spare);
         }
         for (addr, pfn, previous) in shared_mappings {

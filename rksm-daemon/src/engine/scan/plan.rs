@@ -1,16 +1,13 @@
 //! Planning a target's part of a pass: which ranges the dirty source says must be looked
 //! at, which pages wait for the gate, and the duplicates held from the pass before.
 
-use std::{
-    collections::{HashMap, HashSet, VecDeque},
-    sync::Arc,
-};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use rksm_common::PAGE_SIZE;
 
 use super::{
     place::add_pair, report::PageCounts, sampling::settle, InProgress, Open, ProcessScanError,
-    Scanner, Step, Work, CHUNK_PAGES,
+    Scanner, Step, Work, READ_PAGES,
 };
 use crate::{
     engine::{
@@ -157,6 +154,7 @@ impl Scanner {
             },
             misses: 0,
             done: 0,
+            taken: 0,
             error: None,
             target,
             work,
@@ -175,7 +173,7 @@ impl Scanner {
                     pid,
                     domain: scan.target.domain(),
                     pagemap,
-                    mem: Arc::new(mem),
+                    mem,
                 })
             });
         let open = match opened {
@@ -210,7 +208,7 @@ impl Scanner {
             for run in &present {
                 let mut from = run.start;
                 while from < run.end {
-                    let n = (((run.end - from) / PAGE_SIZE) as usize).min(CHUNK_PAGES);
+                    let n = (((run.end - from) / PAGE_SIZE) as usize).min(READ_PAGES);
                     scan.steps.push_back(Step {
                         start: from,
                         pages: n,
@@ -223,7 +221,7 @@ impl Scanner {
             scan.done += weight;
         }
         // One pagemap read per run of consecutive pages.
-        for run in page_runs(&scan.work.sparse, CHUNK_PAGES) {
+        for run in page_runs(&scan.work.sparse, READ_PAGES) {
             scan.steps.push_back(Step {
                 start: run[0],
                 pages: run.len(),

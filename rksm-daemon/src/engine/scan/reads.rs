@@ -1,11 +1,9 @@
-//! How a pass reads pages: batches copied out of the targets and checksummed, in line or on
-//! reader threads, the last batches kept for the representatives of the next ones, and the
-//! representatives a batch will be compared with read ahead in runs.
+//! How a pass reads pages: batches copied out of the targets and checksummed, one at a time
+//! on the scanning thread, the last batches kept for the representatives of the next ones,
+//! and the representatives a batch will be compared with read ahead in runs.
 
 use std::{
     collections::{HashMap, VecDeque},
-    sync::{mpsc, Arc},
-    thread,
     time::Instant,
 };
 
@@ -13,11 +11,11 @@ use rksm_common::{PAGE, PAGE_SIZE};
 
 use super::{
     report::Progress, sampling::settle, scans_done, Candidate, InProgress, Prepared,
-    ProcessScanError, Scanner, Source, Step, CHUNK_PAGES,
+    ProcessScanError, Scanner, Source, Step,
 };
 use crate::{
     engine::{
-        checksum::{ChecksumKind, NO_CHECKSUM},
+        checksum::NO_CHECKSUM,
         index::{ContentSource, Index, PageRef},
     },
     kernel::reader::{self, ProcMem, ReaderError},
@@ -40,25 +38,61 @@ impl ContentSource for LiveMemory {
     }
 }
 
-/// How many batches read in a pass are kept after they are placed.
-const RECENT_BATCHES: usize = 3;
+/// How many batches read in a pass are kept after they are placed (8 MiB at most).
+const RECENT_BATCHES: usize = 16;
 
 /// The last batches read in a pass, kept for the representatives of the next ones: the
-/// targets are read side by side, so the page a copy is compared with was most often read
-/// one to three steps before, and its bytes are still here, with the checksum computed from
-/// them. Finding it here spares a /proc/PID/mem read and a checksum. The buffers go round:
-/// keeping a batch gives the oldest one's buffer back for the next read.
+/// targets are read side by side, so the page a copy is compared with was most often read a
+/// few steps before, and its bytes are still here, with the checksum computed from them.
+/// Finding it here spares a /proc/PID/mem read and a checksum. The buffers go round: keeping
+/// a batch gives the oldest one's buffer back for the next read.
+///
+/// A batch's pages read for the first time can also be found by their sample's digest
+/// ([`RecentBatches::twin`]): a new page byte-equal to one of them has that page's
+/// checksum, which spares hashing it, and joins that page's class without a comparison.
 #[derive(Default)]
 pub(super) struct RecentBatches {
     batches: VecDeque<ReadBatch>,
+    /// Batches kept since the pass began: the number of the next one.
+    kept: u64,
+    /// Where the newest page kept with a digest is, by the digest's low bits: a twin is
+    /// looked for a few batches after it was kept, so one place a digest costs no hashing
+    /// and no allocation, and a page whose place another digest took meanwhile is only
+    /// hashed and compared as any other.
+    twins: Vec<TwinPlace>,
+}
+
+/// Places in [`RecentBatches::twins`].
+const TWIN_PLACES: usize = 1 << 14;
+
+/// A page of the recent batches a newcomer may be the twin of.
+#[derive(Clone, Copy, Default, PartialEq, Eq)]
+struct TwinPlace {
+    digest: u32,
+    slot: u32,
+    /// One more than the batch's number: 0 is an empty place.
+    batch: u64,
+}
+
+fn twin_place(digest: u32) -> usize {
+    digest as usize % TWIN_PLACES
 }
 
 /// One batch: page `addrs[i]` of `pid`, with checksum `sums[i]`, at `bytes[i * PAGE..]`.
 struct ReadBatch {
+    number: u64,
     pid: u32,
     addrs: Vec<u64>,
     sums: Vec<u64>,
     bytes: Vec<u8>,
+}
+
+impl ReadBatch {
+    fn page(&self, i: usize) -> &[u8; PAGE] {
+        self.bytes[i * PAGE..(i + 1) * PAGE]
+            .try_into()
+            .expect("a page's bytes")
+    }
 }
 
 impl RecentBatches {
@@ -69,27 +103,59 @@ impl RecentBatches {
             .filter(|b| b.pid == page.pid)
             .find_map(|b| {
                 let i = b.addrs.binary_search(&page.addr).ok()?;
-                if b.sums[i] != sum {
-                    return None;
-                }
-                b.bytes[i * PAGE..(i + 1) * PAGE].try_into().ok()
+                (b.sums[i] == sum).then(|| b.page(i))
             })
     }
 
+    /// The page of the recent batches last listed with `digest`, if its bytes are
+    /// `content`'s, with its checksum.
+    pub(super) fn twin(&self, digest: u32, content: &[u8; PAGE]) -> Option<(PageRef, u64)> {
+        let place = *self.twins.get(twin_place(digest))?;
+        if place.digest != digest || place.batch == 0 {
+            return None;
+        }
+        let oldest = self.batches.front()?.number;
+        let at = (place.batch - 1).checked_sub(oldest)?;
+        let batch = self.batches.get(at as usize)?;
+        let slot = place.slot as usize;
+        (batch.page(slot) == content).then(|| {
+            let page = PageRef {
+                pid: batch.pid,
+                addr: batch.addrs[slot],
+            };
+            (page, batch.sums[slot])
+        })
+    }
+
     /// Keeps the batch just placed (`pid`'s pages `addrs`, ascending, with `sums`, in
-    /// `bytes`), and gives back the buffer of the oldest kept batch for another read.
+    /// `bytes`; `twins` the `(digest, slot)` of those a newcomer may be the twin of), and
+    /// gives back the buffer of the oldest kept batch for another read.
     pub(super) fn keep(
         &mut self,
         pid: u32,
         addrs: Vec<u64>,
         sums: Vec<u64>,
         bytes: Vec<u8>,
+        twins: &[(u32, u32)],
     ) -> Option<Vec<u8>> {
         let spare = match self.batches.len() {
-            n if n >= RECENT_BATCHES => self.batches.pop_front().map(|b| b.bytes),
+            n if n >= RECENT_BATCHES => self.batches.pop_front().map(|old| old.bytes),
             _ => None,
         };
+        let number = self.kept;
+        self.kept += 1;
+        if self.twins.is_empty() && !twins.is_empty() {
+            self.twins = vec![TwinPlace::default(); TWIN_PLACES];
+        }
+        for &(digest, slot) in twins {
+            self.twins[twin_place(digest)] = TwinPlace {
+                digest,
+                batch: number + 1,
+                slot,
+            };
+        }
         self.batches.push_back(ReadBatch {
+            number,
             pid,
             addrs,
             sums,
@@ -104,33 +170,29 @@ impl RecentBatches {
             batch.addrs.clear();
             batch.sums.clear();
         }
+        self.twins.fill(TwinPlace::default());
     }
 }
 
-/// Pages of one process to read and checksum: `addrs`, ascending, into `bytes`.
+/// Pages of one process to read: `addrs`, ascending, into `bytes`.
 struct ReadJob {
-    mem: Arc<ProcMem>,
     addrs: Vec<u64>,
     mapped_once: Vec<bool>,
     bytes: Vec<u8>,
 }
 
-/// A job done: page `addrs[i]` at `bytes[i * PAGE..]` with checksum `sums[i]`
-/// ([`NO_CHECKSUM`] if it could not be read).
+/// A job done: page `addrs[i]` at `bytes[i * PAGE..]`, where `read_ok[i]` (a page that
+/// could not be read vanished since pagemap listed it).
 pub(super) struct ReadDone {
     pub(super) addrs: Vec<u64>,
     pub(super) bytes: Vec<u8>,
-    pub(super) sums: Vec<u64>,
+    pub(super) read_ok: Vec<bool>,
     pub(super) result: Result<(), ReaderError>,
-    pub(super) checksum_ns: u64,
-    /// The whole job: the copy and the checksums.
-    pub(super) read_hash_ns: u64,
 }
 
-/// Reads and checksums `job`'s pages.
-fn read_and_hash(job: ReadJob, kind: ChecksumKind) -> ReadDone {
+/// Reads `job`'s pages out of `mem`.
+fn read(mem: &ProcMem, job: ReadJob) -> ReadDone {
     let ReadJob {
-        mem,
         addrs,
         mapped_once,
         mut bytes,
@@ -140,144 +202,16 @@ fn read_and_hash(job: ReadJob, kind: ChecksumKind) -> ReadDone {
     if bytes.len() < addrs.len() * PAGE {
         bytes.resize(addrs.len() * PAGE, 0);
     }
-    let started = Instant::now();
     let mut read_ok = vec![false; addrs.len()];
-    let result = reader::read_pages(&mem, &addrs, &mapped_once, &mut bytes, &mut read_ok);
-    let hashing = Instant::now();
-    let sums = match result {
-        Ok(_) => {
-            let pages: Vec<&[u8; PAGE]> = bytes
-                .as_chunks::<PAGE>()
-                .0
-                .iter()
-                .zip(&read_ok)
-                .filter_map(|(page, &ok)| ok.then_some(page))
-                .collect();
-            let mut read_sums = vec![0; pages.len()];
-            kind.checksum_pages(&pages, &mut read_sums);
-            let mut read_sums = read_sums.into_iter();
-            read_ok
-                .iter()
-                .map(|&ok| match ok {
-                    true => read_sums.next().unwrap_or(NO_CHECKSUM),
-                    false => NO_CHECKSUM,
-                })
-                .collect()
-        }
-        Err(_) => Vec::new(),
-    };
+    let result = reader::read_pages(mem, &addrs, &mapped_once, &mut bytes, &mut read_ok);
+    if result.is_err() {
+        read_ok.fill(false);
+    }
     ReadDone {
         addrs,
         bytes,
-        sums,
+        read_ok,
         result: result.map(|_| ()),
-        checksum_ns: hashing.elapsed().as_nanos() as u64,
-        read_hash_ns: started.elapsed().as_nanos() as u64,
-    }
-}
-
-/// Chunks prepared at most: the one being placed and those handed to the readers after it.
-/// Chunks differ in what they cost to read and to place, and readers kept a few ahead are
-/// not kept waiting by one costly placement (two were slower than four; eight too, their
-/// buffers no longer in the cache).
-const READ_AHEAD_CHUNKS: usize = 4;
-/// Reader threads of a large pass.
-const READERS: usize = 2;
-
-/// A pass over at least this many pages reads on reader threads (given two CPUs or more).
-const READ_AHEAD_PAGES: u64 = 8 * CHUNK_PAGES as u64;
-
-/// Where the chunks of a pass are read, in the order they were prepared. A pass over much
-/// memory spends half its time copying pages out of the targets and checksumming them and
-/// half placing them in the index; reader threads do the first for the next chunks while
-/// the scanner places the one before, so the two halves overlap (on two cores a first pass
-/// takes 0.7 of the time, 0.6 in hash-only mode, for the same CPU). A small pass (the steady
-/// state's few written pages) reads in line: a thread would cost more than it saves.
-enum Reads {
-    InLine {
-        kind: ChecksumKind,
-        done: VecDeque<ReadDone>,
-    },
-    /// Jobs go to the readers in turn, and come back in the same turn.
-    Threads {
-        readers: Vec<(mpsc::Sender<ReadJob>, mpsc::Receiver<ReadDone>)>,
-        submitted: usize,
-        taken: usize,
-    },
-}
-
-impl Reads {
-    fn in_line(kind: ChecksumKind) -> Self {
-        Reads::InLine {
-            kind,
-            done: VecDeque::new(),
-        }
-    }
-
-    /// `n` reader threads in `scope`, named `rksm-reader`; they end when this is dropped. If
-    /// a thread cannot be started (a task limit), the pass reads in line instead.
-    fn threads<'scope>(
-        scope: &'scope thread::Scope<'scope, '_>,
-        kind: ChecksumKind,
-        n: usize,
-    ) -> Self {
-        let mut readers = Vec::with_capacity(n);
-        for _ in 0..n {
-            let (jobs, todo) = mpsc::channel::<ReadJob>();
-            let (finished, done) = mpsc::channel();
-            let started = thread::Builder::new()
-                .name("rksm-reader".into())
-                .spawn_scoped(scope, move || {
-                    for job in todo {
-                        if finished.send(read_and_hash(job, kind)).is_err() {
-                            break;
-                        }
-                    }
-                });
-            if let Err(e) = started {
-                log::debug!("reading in line: no reader thread ({e})");
-                return Reads::in_line(kind);
-            }
-            readers.push((jobs, done));
-        }
-        Reads::Threads {
-            readers,
-            submitted: 0,
-            taken: 0,
-        }
-    }
-
-    fn submit(&mut self, job: ReadJob) {
-        match self {
-            Reads::InLine { kind, done } => done.push_back(read_and_hash(job, *kind)),
-            Reads::Threads {
-                readers, submitted, ..
-            } => {
-                // A reader that is gone (a bug: it does not panic) shows as a job never done.
-                _ = readers[*submitted % readers.len()].0.send(job);
-                *submitted += 1;
-            }
-        }
-    }
-
-    /// The oldest job submitted and not yet taken, once done: the reader thread's wait is
-    /// the one an in-line read would have had.
-    fn next(&mut self) -> Option<ReadDone> {
-        match self {
-            Reads::InLine { done, .. } => done.pop_front(),
-            Reads::Threads {
-                readers,
-                submitted,
-                taken,
-            } => {
-                if taken == submitted {
-                    return None;
-                }
-                let done = readers[*taken % readers.len()].1.recv().ok();
-                *taken += 1;
-                done
-            }
-        }
     }
 }
 
@@ -324,6 +258,12 @@ pub(super) fn preload_representatives(
 
 impl Scanner {
     /// Reads and places `scans`, side by side; true if it was stopped.
+    ///
+    /// All on this thread, a chunk at a time: copied out, checksummed and placed while its
+    /// bytes are still in this core's cache. Reader threads that copied and checksummed the
+    /// next chunks while this one was placed took a first pass's time down by a third and
+    /// its CPU up by a third: the placing thread then compared bytes another core had
+    /// written, out of the shared cache or memory (see BENCHMARKS.md, "First pass").
     pub(super) fn read_side_by_side(
         &mut self,
         scans: &mut [InProgress<'_>],
@@ -331,87 +271,52 @@ impl Scanner {
         pages_before: u64,
         progress: &mut dyn FnMut(Progress),
     ) -> bool {
-        let mut stopped = false;
-        // The targets are read side by side, a chunk of each in turn: workers of one program
-        // hold their copies of a content at about the same place, so the representative a
-        // copy is compared with is still in the index's cache when the next copies come. One
-        // chunk is read while the one before it is placed.
-        let kind = self.config.checksum;
-        thread::scope(|scope| {
-            let mut reads = match pages_total >= READ_AHEAD_PAGES && self.cpus > 1 {
-                true => Reads::threads(scope, kind, READERS),
-                false => Reads::in_line(kind),
+        // The targets are read side by side, kept level by the pages taken from each: workers
+        // of one program hold their copies of a content at about the same place, so the
+        // page a copy is compared with, or is the twin of, is still among the recent
+        // batches when the next copies come. (Taking a step of each in turn let a target
+        // whose duplicates followed more small runs of pages fall behind the others, out of
+        // reach of the recent batches.)
+        loop {
+            let Some(which) = (0..scans.len())
+                .filter(|&k| !scans[k].steps.is_empty())
+                .min_by_key(|&k| scans[k].taken)
+            else {
+                return false;
             };
-            // Read in line, each chunk is placed as soon as it is read.
-            let ahead = match reads {
-                Reads::InLine { .. } => 1,
-                Reads::Threads { .. } => READ_AHEAD_CHUNKS,
-            };
-            let mut in_flight: VecDeque<Prepared> = VecDeque::new();
-            let mut turn = 0;
-            loop {
-                while in_flight.len() < ahead {
-                    let Some(which) = (0..scans.len())
-                        .map(|k| (turn + k) % scans.len())
-                        .find(|&k| !scans[k].steps.is_empty())
-                    else {
-                        break;
-                    };
-                    if self.stop.as_ref().is_some_and(|stop| stop()) {
-                        stopped = true;
-                        return;
-                    }
-                    turn = which + 1;
-                    let started = Instant::now();
-                    let prepared = self.prepare_next(&mut scans[which], which, &mut reads);
-                    scans[which].counts.work_ns += started.elapsed().as_nanos() as u64;
-                    if let Some(prepared) = prepared {
-                        in_flight.push_back(prepared);
-                    }
-                }
-                let Some(prepared) = in_flight.pop_front() else {
-                    break;
-                };
-                let scan = &mut scans[prepared.scan];
-                let weight = prepared.step.weight;
-                match reads.next() {
-                    // Its scan failed since it was prepared: nothing of it is placed.
-                    Some(done) if scan.error.is_some() => self.spare_batches.push(done.bytes),
-                    Some(done) => {
-                        let started = Instant::now();
-                        if let Err(e) = self.place(scan, prepared, done) {
-                            scan.error = Some(e);
-                            scan.steps.clear();
-                        }
-                        scan.counts.work_ns += started.elapsed().as_nanos() as u64;
-                    }
-                    None => {
-                        scan.error =
-                            Some(ProcessScanError::Failed("the reader thread ended".into()));
-                        scan.steps.clear();
-                    }
+            if self.stop.as_ref().is_some_and(|stop| stop()) {
+                return true;
+            }
+            let scan = &mut scans[which];
+            let started = Instant::now();
+            let (weight, pages) = scan.steps.front().map_or((0, 0), |s| (s.weight, s.pages));
+            scan.taken += pages as u64;
+            let next = self.prepare_next(scan);
+            let read = next.and_then(|(prepared, job)| {
+                let open = scan.open.as_ref()?;
+                Some((prepared, read(&open.mem, job)))
+            });
+            if let Some((prepared, done)) = read {
+                if let Err(e) = self.place(scan, prepared, done) {
+                    scan.error = Some(e);
+                    scan.steps.clear();
                 }
                 scan.done += weight;
-                progress(Progress {
-                    pages_done: pages_before + scans_done(scans),
-                    pages_total,
-                });
             }
-        });
-        stopped
+            scan.counts.work_ns += started.elapsed().as_nanos() as u64;
+            progress(Progress {
+                pages_done: pages_before + scans_done(scans),
+                pages_total,
+            });
+        }
     }
 
-    /// Takes the next chunk of `scan` and looks it up in pagemap: what to read of it goes to
-    /// `reads`, the rest waits in the returned [`Prepared`] for [`Scanner::place`]. A failure
-    /// ends the scan.
-    fn prepare_next(
-        &mut self,
-        scan: &mut InProgress<'_>,
-        which: usize,
-        reads: &mut Reads,
-    ) -> Option<Prepared> {
+    /// Takes the next chunk of `scan` and looks it up in pagemap: what to read of it, and
+    /// the rest waiting in the returned [`Prepared`] for [`Scanner::place`]. A failure ends
+    /// the scan.
+    fn prepare_next(&mut self, scan: &mut InProgress<'_>) -> Option<(Prepared, ReadJob)> {
         let step = scan.steps.pop_front()?;
-        match self.prepare(scan, which, step) {
+        match self.prepare(scan, step) {
             Ok(Some((prepared, job))) => {
                 // Fewer entries than asked: the rest of the run, from where pagemap stopped.
                 let got = prepared.got;
@@ -423,8 +328,7 @@ impl Scanner {
                         ..step
                     });
                 }
-                reads.submit(job);
-                Some(prepared)
+                Some((prepared, job))
             }
             Ok(None) => {
                 scan.done += step.weight;
@@ -439,14 +343,13 @@ impl Scanner {
         }
     }
 
-    /// Looks up the pages of `step` (of scan number `which`) in pagemap: forgets the absent,
+    /// Looks up the pages of `step` in pagemap: forgets the absent,
     /// and lists the present with how each is to be obtained; those that may have changed (of
     /// a sparse step, the work's `rehash`; else all) are to be read, in the returned job.
     /// None if the target could not be opened.
     fn prepare(
         &mut self,
         scan: &mut InProgress<'_>,
-        which: usize,
         step: Step,
     ) -> Result<Option<(Prepared, ReadJob)>, ProcessScanError> {
         let InProgress {
@@ -520,6 +423,7 @@ impl Scanner {
             // be compared, and reading it here, in the batch, is much cheaper than one
             // /proc/PID/mem read at the comparison (only pages mapped once: see reader).
             let compared = entry.exclusive()
+                && previous != NO_CHECKSUM
                 && self
                     .indexes
                     .get(&open.domain)
@@ -546,14 +450,11 @@ impl Scanner {
         }
 
         let job = ReadJob {
-            mem: open.mem.clone(),
             addrs: to_read,
             mapped_once,
             bytes: self.spare_batches.pop().unwrap_or_default(),
         };
         let prepared = Prepared {
-            scan: which,
-            step,
             got,
             candidates,
             shared_mappings,
@@ -567,7 +468,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn readers_give_back_every_job_read_and_checksummed_in_the_order_it_was_submitted() {
+    fn a_job_is_read_page_by_page_and_an_unmapped_page_is_not_read() {
         // This process's own pages, 64 of them, each filled with its number.
         let mut memory = vec![0u8; 65 * PAGE];
         let base = (memory.as_ptr() as usize).next_multiple_of(PAGE);
@@ -578,55 +479,39 @@ mod tests {
         {
             page.fill(i as u8);
         }
-        let mem = Arc::new(ProcMem::open(std::process::id()).expect("/proc/self/mem"));
-        let kind = ChecksumKind::Xxh64;
-        // Jobs of 1 to 11 pages, one left unmapped at the end (address 8 is never mapped).
-        let jobs = || {
-            (1..=11u64).map(|n| {
-                let first = (n * n) % 53;
-                let mut addrs: Vec<u64> = (first..first + n)
-                    .map(|i| base as u64 + i * PAGE_SIZE)
-                    .collect();
-                if n == 5 {
-                    addrs.push(8 * PAGE_SIZE);
-                }
-                ReadJob {
-                    mem: mem.clone(),
-                    mapped_once: vec![true; addrs.len()],
-                    addrs,
-                    bytes: Vec::new(),
-                }
-            })
-        };
-        let in_line: Vec<ReadDone> = {
-            let mut reads = Reads::in_line(kind);
-            jobs().for_each(|j| reads.submit(j));
-            std::iter::from_fn(|| reads.next()).collect()
-        };
-        let threaded: Vec<ReadDone> = thread::scope(|scope| {
-            let mut reads = Reads::threads(scope, kind, 3);
-            jobs().for_each(|j| reads.submit(j));
-            (0..11).filter_map(|_| reads.next()).collect()
-        });
-        assert_eq!(in_line.len(), 11);
-        assert_eq!(threaded.len(), 11);
-        for (n, (a, b)) in (1..=11u64).zip(in_line.iter().zip(&threaded)) {
+        let mem = ProcMem::open(std::process::id()).expect("/proc/self/mem");
+        // Jobs of 1 to 11 pages, one with an unmapped page at the end (address 8 is never
+        // mapped), each into a buffer too small or left from a larger job.
+        let mut bytes = Vec::new();
+        for n in 1..=11u64 {
             let first = (n * n) % 53;
-            assert_eq!(a.addrs, b.addrs, "job {n}: in order");
-            assert_eq!(a.sums, b.sums, "job {n}");
-            for (slot, i) in (first..first + n).enumerate() {
-                let page = &b.bytes[slot * PAGE..(slot + 1) * PAGE];
-                assert!(page.iter().all(|&x| x == i as u8), "job {n}, page {i}");
-                assert_eq!(b.sums[slot], kind.checksum(page), "job {n}, page {i}");
+            let mut addrs: Vec<u64> = (first..first + n)
+                .map(|i| base as u64 + i * PAGE_SIZE)
+                .collect();
+            if n == 5 {
+                addrs.push(8 * PAGE_SIZE);
             }
-            assert!(b.result.is_ok(), "job {n}");
+            let job = ReadJob {
+                mapped_once: vec![true; addrs.len()],
+                addrs: addrs.clone(),
+                bytes,
+            };
+            let done = read(&mem, job);
+            assert_eq!(done.addrs, addrs, "job {n}");
+            assert!(done.result.is_ok(), "job {n}");
+            for (slot, i) in (first..first + n).enumerate() {
+                let page = &done.bytes[slot * PAGE..(slot + 1) * PAGE];
+                assert!(page.iter().all(|&x| x == i as u8), "job {n}, page {i}");
+                assert!(done.read_ok[slot], "job {n}, page {i}");
+            }
             if n == 5 {
                 assert_eq!(
-                    b.sums.last(),
-                    Some(&NO_CHECKSUM),
+                    done.read_ok.last(),
+                    Some(&false),
                     "an unmapped page is not read"
                 );
             }
+            bytes = done.bytes;
         }
         drop(memory);
     }
@@ -641,7 +526,7 @@ mod tests {
         };
         let page = |pid, addr| PageRef { pid, addr };
         assert_eq!(
-            recent.keep(1, vec![0x1000, 0x3000], vec![10, 11], batch(10)),
+            recent.keep(1, vec![0x1000, 0x3000], vec![10, 11], batch(10), &[(77, 1)]),
             None,
             "nothing to give back yet"
         );
@@ -649,15 +534,27 @@ mod tests {
         assert_eq!(recent.find(page(1, 0x3000), 12), None, "another checksum");
         assert_eq!(recent.find(page(2, 0x3000), 11), None, "another process");
         assert_eq!(recent.find(page(1, 0x2000), 10), None, "not read");
+        // A twin is found by its digest and its bytes alike.
+        assert_eq!(recent.twin(77, &[11; PAGE]), Some((page(1, 0x3000), 11)));
+        assert_eq!(recent.twin(77, &[12; PAGE]), None, "other bytes");
+        assert_eq!(recent.twin(78, &[11; PAGE]), None, "another digest");
+        assert_eq!(recent.twin(77, &[10; PAGE]), None, "a page not listed");
         // Older batches give their buffers back for newer ones.
         for pid in 2..=RECENT_BATCHES as u32 {
-            let spare = recent.keep(pid, vec![0x1000, 0x2000], vec![1, 2], batch(pid as u8 * 10));
+            let spare = recent.keep(
+                pid,
+                vec![0x1000, 0x2000],
+                vec![1, 2],
+                batch(pid as u8 * 10),
+                &[],
+            );
             assert_eq!(spare, None);
         }
-        let spare = recent.keep(4, vec![0x1000, 0x2000], vec![1, 2], batch(40));
+        let spare = recent.keep(4, vec![0x1000, 0x2000], vec![1, 2], batch(40), &[]);
         assert_eq!(spare, Some(batch(10)), "the oldest batch's buffer");
         assert_eq!(recent.batches.len(), RECENT_BATCHES);
         assert_eq!(recent.find(page(1, 0x3000), 11), None, "the oldest went");
+        assert_eq!(recent.twin(77, &[11; PAGE]), None, "with its twins");
         assert_eq!(recent.find(page(4, 0x2000), 2), Some(&[41; PAGE]));
         recent.forget();
         assert_eq!(recent.find(page(4, 0x2000), 2), None, "a new pass");

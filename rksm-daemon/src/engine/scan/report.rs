@@ -47,6 +47,10 @@ pub struct PageCounts {
     /// Pages that vanished between pagemap and reading (unmapped mid-pass).
     #[serde(skip)]
     pub pages_vanished: u64,
+    /// Of the pages read, new pages whose checksum was their twin's: a page read just
+    /// before, with the same bytes.
+    #[serde(skip)]
+    pub pages_twinned: u64,
     /// Time spent computing checksums.
     #[serde(skip)]
     pub checksum_ns: u64,
@@ -78,6 +82,7 @@ impl PageCounts {
         self.pages_hashed += other.pages_hashed;
         self.pages_skipped_clean += other.pages_skipped_clean;
         self.pages_vanished += other.pages_vanished;
+        self.pages_twinned += other.pages_twinned;
         self.pagemap_pages += other.pagemap_pages;
         self.pages_sampled += other.pages_sampled;
         self.pages_only_sampled += other.pages_only_sampled;

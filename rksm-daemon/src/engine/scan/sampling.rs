@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use rksm_common::PAGE_SIZE;
 
 use super::{Scanner, Work, CHUNK_PAGES};
+use crate::kernel::ranges::Range;
 use crate::{
     ebpf::sampler::{Sampler, SamplerError},
     engine::{
@@ -106,12 +107,49 @@ impl Scanner {
         let Some(sampler) = self.sampler.as_mut() else {
             return;
         };
+        // The present runs of each target's new ranges (memory present for the first time
+        // where writes are tracked from now on), found first: each domain's sample index
+        // then makes room for all its new pages at once instead of growing as it meets them.
+        let mut news: Vec<Option<Vec<Option<Vec<Range>>>>> = Vec::with_capacity(plans.len());
+        let mut coming: HashMap<u32, usize> = HashMap::new();
+        for (target, work) in plans.iter() {
+            let pagemap = (!work.full.is_empty() && !work.hold.is_empty())
+                .then(|| Pagemap::open(target.pid()).ok())
+                .flatten();
+            let Some(pagemap) = pagemap else {
+                news.push(None);
+                continue;
+            };
+            let presents: Vec<Option<Vec<Range>>> = work
+                .full
+                .iter()
+                .map(|range| {
+                    let new = work.hold.covers(range.start, range.end)
+                        && target.pages().pages_in(range.start, range.end).is_empty();
+                    new.then(|| pagemap.present_runs(range.start, range.end).ok())
+                        .flatten()
+                })
+                .collect();
+            *coming.entry(target.domain()).or_default() += presents
+                .iter()
+                .flatten()
+                .flatten()
+                .map(|run| run.pages() as usize)
+                .sum::<usize>();
+            news.push(Some(presents));
+        }
+        for (domain, pages) in coming {
+            self.samples.entry(domain).or_default().reserve(pages);
+        }
         let mut wanted = HashMap::new();
         let mut entries = vec![PagemapEntry(0); CHUNK_PAGES];
         let mut batch = SampleBatch::default();
         let mut broken = false;
-        for (target, work) in plans.iter_mut() {
-            if broken || work.full.is_empty() || work.hold.is_empty() {
+        for ((target, work), presents) in plans.iter_mut().zip(news) {
+            let Some(presents) = presents else {
+                continue;
+            };
+            if broken {
                 continue;
             }
             let Ok(pagemap) = Pagemap::open(target.pid()) else {
@@ -119,13 +157,8 @@ impl Scanner {
             };
             let index = self.samples.entry(target.domain()).or_default();
             let mut full = Vec::new();
-            for range in std::mem::take(&mut work.full) {
-                // Only memory present for the first time where writes are tracked from now on.
-                let new = !broken
-                    && work.hold.covers(range.start, range.end)
-                    && target.pages().pages_in(range.start, range.end).is_empty();
-                let present = new.then(|| pagemap.present_runs(range.start, range.end));
-                let Some(Ok(present)) = present else {
+            for (range, present) in std::mem::take(&mut work.full).into_iter().zip(presents) {
+                let Some(present) = present.filter(|_| !broken) else {
                     full.push(range);
                     continue;
                 };
@@ -134,7 +167,8 @@ impl Scanner {
                     let mut from = run.start;
                     while from < run.end {
                         let n = (((run.end - from) / PAGE_SIZE) as usize).min(CHUNK_PAGES);
-                        let got = match pagemap.read(from, &mut entries[..n]) {
+                        let got = pagemap.read(from, &mut entries[..n]);
+                        let got = match got {
                             Ok(0) => break,
                             Ok(got) => got,
                             Err(_) => {

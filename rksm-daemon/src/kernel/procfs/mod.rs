@@ -81,6 +81,16 @@ pub fn clock_ticks_per_second() -> f64 {
         .max(1) as f64
 }
 
+/// The CPU time this process has used since it started, all its threads, in seconds
+/// (`getrusage(RUSAGE_SELF)`: user and system, to the microsecond).
+pub fn own_cpu_seconds() -> f64 {
+    let usage = nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_SELF);
+    usage.map_or(0.0, |u| {
+        let secs = |t: nix::sys::time::TimeVal| t.tv_sec() as f64 + t.tv_usec() as f64 / 1e6;
+        secs(u.user_time()) + secs(u.system_time())
+    })
+}
+
 /// The kernel's own KSM account of one process, from /proc/PID/ksm_stat: the evidence rksm's
 /// status shows next to its own counts.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

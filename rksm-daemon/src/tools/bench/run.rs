@@ -543,7 +543,11 @@ fn summarize(
         steady_rksm_cpu_per_minute: per_minute(|s| s.rksm_cpu),
         steady_pass_seconds: (!steady_passes.is_empty())
             .then(|| median_f64(steady_passes.iter().map(|p| p.seconds).collect())),
-        first_pass_cpu,
+        // The daemon's own count, to the end of its first pass; else the CPU seen at the first
+        // status that showed a pass, up to a second later.
+        first_pass_cpu: stat_f64("first_pass_cpu_seconds")
+            .filter(|&cpu| cpu > 0.0)
+            .or(first_pass_cpu),
         first_pass_gbps: match (stat_f64("first_pass_seconds"), stat("first_pass_pages")) {
             (Some(secs), Some(pages)) if secs > 0.0 && pages > 0 => {
                 Some(pages as f64 * PAGE_SIZE as f64 / secs / 1e9)
