@@ -438,37 +438,72 @@ pub fn with_hostile_host_config(command: &Command) -> Command {
 /// A spawned rksm (a daemon, a trace), stopped with SIGTERM when dropped, so that it restores
 /// ksmd's settings even when the test that started it fails: one left running would hold the
 /// host's ksmd lock and fail every test after it.
-pub struct Running(Option<Child>);
+pub struct Running {
+    child: Option<Child>,
+    /// What it printed on stdout and stderr (where they are pipes), read as it goes by a
+    /// thread each: a daemon that writes more than a pipe holds while nobody reads would
+    /// block in its log, and stop making passes.
+    stdout: Option<std::thread::JoinHandle<Vec<u8>>>,
+    stderr: Option<std::thread::JoinHandle<Vec<u8>>>,
+}
+
+/// A thread that reads `from` to its end.
+fn drain(
+    from: Option<impl std::io::Read + Send + 'static>,
+) -> Option<std::thread::JoinHandle<Vec<u8>>> {
+    from.map(|mut from| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            let _ = from.read_to_end(&mut bytes);
+            bytes
+        })
+    })
+}
 
 impl Running {
     /// Spawns `command`.
     pub fn spawn(command: &mut Command) -> Running {
-        Running(Some(command.spawn().expect("spawning rksm")))
+        let mut child = command.spawn().expect("spawning rksm");
+        let stdout = drain(child.stdout.take());
+        let stderr = drain(child.stderr.take());
+        Running {
+            child: Some(child),
+            stdout,
+            stderr,
+        }
     }
 
     /// Its pid.
     pub fn id(&self) -> u32 {
-        self.0.as_ref().expect("running").id()
+        self.child.as_ref().expect("running").id()
     }
 
     /// Stops it with SIGTERM and returns what it printed.
-    pub fn stop(mut self) -> std::process::Output {
-        let child = self.0.take().expect("running");
+    pub fn stop(self) -> std::process::Output {
         // SAFETY: kill with a valid pid and signal.
-        assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
-        child.wait_with_output().expect("waiting for rksm")
+        assert_eq!(unsafe { libc::kill(self.id() as i32, libc::SIGTERM) }, 0);
+        self.wait()
     }
 
     /// Waits for it to end by itself and returns what it printed.
     pub fn wait(mut self) -> std::process::Output {
-        let child = self.0.take().expect("running");
-        child.wait_with_output().expect("waiting for rksm")
+        let mut child = self.child.take().expect("running");
+        let status = child.wait().expect("waiting for rksm");
+        let read = |out: Option<std::thread::JoinHandle<Vec<u8>>>| {
+            out.map(|t| t.join().expect("reading rksm's output"))
+                .unwrap_or_default()
+        };
+        std::process::Output {
+            status,
+            stdout: read(self.stdout.take()),
+            stderr: read(self.stderr.take()),
+        }
     }
 }
 
 impl Drop for Running {
     fn drop(&mut self) {
-        if let Some(mut child) = self.0.take() {
+        if let Some(mut child) = self.child.take() {
             // SAFETY: kill with a valid pid and signal.
             unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
             let _ = child.wait();

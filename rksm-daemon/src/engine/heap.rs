@@ -2,11 +2,11 @@
 //!
 //! rksm's tables grow with the memory it watches, and a large pass builds and drops tens of
 //! megabytes of batches, caches and lists. glibc keeps freed memory for reuse, and gives
-//! every thread that allocates an arena of its own: the reader threads of a large pass each
-//! kept megabytes of freed memory resident in theirs, in a process that otherwise lives on
-//! its tables alone. So the daemon asks for one arena (the readers allocate little, and
-//! rarely: their buffers go round), and after a pass hands freed memory back whenever its
-//! resident memory has grown since it last did. Which pass leaves freed memory resident is not
+//! every thread that allocates an arena of its own, where freed megabytes stay resident in a
+//! process that otherwise lives on its tables alone. So the daemon asks for one arena (the
+//! scan runs on one thread; the status server and the userfaultfd guard allocate little),
+//! and after a pass hands freed memory back whenever its resident memory has grown since it
+//! last did. Which pass leaves freed memory resident is not
 //! for the daemon to guess (the first, the one that marks, the one that sees ksmd's merges),
 //! nor can the allocator say: memory it holds free and was handed back becomes resident again
 //! when reused and freed, while the free total stays the same.

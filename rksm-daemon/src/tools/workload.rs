@@ -73,8 +73,8 @@ pub struct Profile {
     /// it; the other sizes must then be zero.
     #[serde(default)]
     pub guest_ram_mib: u64,
-    /// Every page holds the same bytes where rksm samples a new page (the middle of the page
-    /// and its last 32 bytes): built so that the sample tells no page from another.
+    /// Every page holds the same bytes where rksm samples a new page (the cache line at the
+    /// middle of the page): built so that the sample tells no page from another.
     #[serde(default)]
     pub alike: bool,
 }
