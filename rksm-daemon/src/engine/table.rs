@@ -201,7 +201,7 @@ impl<E: Entry> Table<E> {
     /// are coming: growing by half at a time would move every entry several times over.
     pub fn reserve(&mut self, additional: usize, hash_of: impl Fn(E) -> u64) {
         let wanted = (self.len + additional) * MAX_LOAD.1 / MAX_LOAD.0 + 1;
-        if wanted > self.buckets.len() {
+        if additional > 0 && wanted > self.buckets.len() {
             self.rebuild(wanted, &hash_of);
         }
     }
@@ -300,6 +300,37 @@ mod tests {
                 ((x >> 33) as u32) % range
             })
             .collect()
+    }
+
+    #[test]
+    fn room_made_at_once_is_enough_for_what_was_announced_and_keeps_what_was_held() {
+        let mut set = DigestSet::default();
+        let held = values(1, 1_000, u32::MAX);
+        for &d in &held {
+            set.insert(d);
+        }
+        let coming = values(2, 100_000, u32::MAX);
+        set.reserve(coming.len());
+        let buckets = set.table.buckets.len();
+        for &d in &coming {
+            set.insert(d);
+        }
+        assert_eq!(
+            set.table.buckets.len(),
+            buckets,
+            "no growth after the room made"
+        );
+        assert!(held.iter().chain(&coming).all(|&d| set.contains(d)));
+        // Room for what is announced, no more than the load allows.
+        let len = set.len();
+        assert!(
+            buckets * MAX_LOAD.0 >= len * MAX_LOAD.1,
+            "{buckets} buckets for {len}"
+        );
+        assert!(
+            buckets <= (len + 1_000) * MAX_LOAD.1 / MAX_LOAD.0 + 2,
+            "{buckets} for {len}"
+        );
     }
 
     #[test]

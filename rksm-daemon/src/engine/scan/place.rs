@@ -1,9 +1,9 @@
 //! Placing what a batch read: each page into its domain's index, with KSM's rules, and the
 //! duplicates found into the candidates the marking takes.
 
-use rksm_common::{sample::digest_of, PAGE};
-
 use std::time::Instant;
+
+use rksm_common::{sample::digest_of, PAGE};
 
 use super::{
     reads::{preload_representatives, ReadDone},
@@ -61,7 +61,7 @@ impl Scanner {
     /// writes are tracked from now on) whose bytes equal those of a page of the recent
     /// batches, found by the sample's digest, is that page's twin: it has that page's
     /// checksum, computed from the same bytes, and needs no hashing. The others are hashed,
-    /// together (see [`ChecksumKind::checksum_pages`]). Hash-only and a page read again keep
+    /// together (see [`crate::engine::checksum::ChecksumKind::checksum_pages`]). Hash-only and a page read again keep
     /// KSM's rule: hashed every time.
     fn checksums(
         &self,

@@ -6,7 +6,6 @@ use std::collections::HashMap;
 use rksm_common::PAGE_SIZE;
 
 use super::{Scanner, Work, CHUNK_PAGES};
-use crate::kernel::ranges::Range;
 use crate::{
     ebpf::sampler::{Sampler, SamplerError},
     engine::{
@@ -14,7 +13,10 @@ use crate::{
         samples::{Meets, SampleIndex},
         target::Target,
     },
-    kernel::procfs::{Pagemap, PagemapEntry},
+    kernel::{
+        procfs::{Pagemap, PagemapEntry},
+        ranges::Range,
+    },
 };
 
 /// How many pages ahead of its meeting a digest's place in the sample index is fetched: the
@@ -167,8 +169,7 @@ impl Scanner {
                     let mut from = run.start;
                     while from < run.end {
                         let n = (((run.end - from) / PAGE_SIZE) as usize).min(CHUNK_PAGES);
-                        let got = pagemap.read(from, &mut entries[..n]);
-                        let got = match got {
+                        let got = match pagemap.read(from, &mut entries[..n]) {
                             Ok(0) => break,
                             Ok(got) => got,
                             Err(_) => {
