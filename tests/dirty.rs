@@ -72,6 +72,11 @@ fn configurations(hash_only: bool) -> Vec<Config> {
 }
 
 fn daemon_over(pid: u32, regions: &[Region], config: Config) -> Daemon {
+    daemon_auditing(pid, regions, config, AUDIT_PASSES)
+}
+
+/// [`daemon_over`] with an audit cycle of `audit_passes`.
+fn daemon_auditing(pid: u32, regions: &[Region], config: Config, audit_passes: u32) -> Daemon {
     let daemon = Daemon::start(DaemonConfig {
         targets: TargetSpec {
             pids: vec![pid],
@@ -84,7 +89,7 @@ fn daemon_over(pid: u32, regions: &[Region], config: Config) -> Daemon {
             .iter()
             .map(|r| (pid, r.base, r.base + N * PAGE))
             .collect(),
-        audit_passes: AUDIT_PASSES,
+        audit_passes,
         ..DaemonConfig::default()
     })
     .expect("daemon starts");
@@ -270,6 +275,71 @@ fn copies_written_by_another_process_are_found_by_the_audit() {
         region
     });
     found_by_the_audit(&outcomes, "process_vm_writev");
+}
+
+#[test]
+fn a_write_without_a_fault_among_written_pages_is_found_when_they_are_protected_again() {
+    require_root();
+    let _turn = ksm_turn();
+    if !Offer::probe(WriteProtectChoice::Auto).userfaultfd {
+        return;
+    }
+    let config = Config {
+        mode: DirtyMode::Ebpf,
+        protection: WriteProtectChoice::Userfaultfd,
+    };
+    let mut child = TestChild::spawn();
+    let region = child.map(N);
+    child.write_unique(region, 0, N, 1000);
+    let pid = child.pid();
+    // An audit cycle far longer than the test: only protecting the written pages again can
+    // find the write in time.
+    let mut daemon = daemon_auditing(pid, &[region], config, 100_000);
+    for _ in 0..3 {
+        pass_and_wait(&mut daemon);
+    }
+    protected_as_asked(&daemon, config);
+    let misses = |d: &Daemon| d.targets().map(|t| t.counters().dirty_misses).sum::<u64>();
+    assert_eq!(misses(&daemon), 0);
+    // Pages 40 and 50 written by the child (faults the tracer sees), page 45 between them by
+    // another process (no fault).
+    child.write_unique(region, 40, 1, 5000);
+    child.write_unique(region, 50, 1, 6000);
+    let content = seed_content(SEED);
+    let remote = [RemoteIoVec {
+        base: (region.base + 45 * PAGE) as usize,
+        len: content.len(),
+    }];
+    let written = process_vm_writev(
+        Pid::from_raw(pid as i32),
+        &[std::io::IoSlice::new(&content)],
+        &remote,
+    )
+    .expect("process_vm_writev");
+    assert_eq!(written, content.len());
+    pass_and_wait(&mut daemon);
+    assert_eq!(
+        misses(&daemon),
+        1,
+        "the write between them, at the next pass"
+    );
+    let why = daemon
+        .targets()
+        .find_map(|t| t.exact_tracking().map(str::to_string))
+        .unwrap_or_default();
+    assert!(
+        why.contains("written that the tracer did not"),
+        "not tracked exactly from then on: {why:?}"
+    );
+    daemon.finish();
+    assert!(child.verify(region, 45, 1, SEED), "memory changed");
+    assert!(child.verify_unique(region, 40, 1, 5000) && child.verify_unique(region, 50, 1, 6000));
+    for (first, count) in [(0, 40), (41, 4), (46, 4), (51, N - 51)] {
+        assert!(
+            child.verify_unique(region, first, count, 1000 + first),
+            "memory changed"
+        );
+    }
 }
 
 #[test]

@@ -35,10 +35,9 @@ use rksm_common::{PAGE, PAGE_SIZE};
 use crate::kernel::{
     process::Process,
     procfs::{
-        PageRegion, PageScan, Vma, PAGE_IS_PFNZERO, PAGE_IS_WRITTEN, PM_SCAN_CHECK_WPASYNC,
-        PM_SCAN_WP_MATCHING,
+        PageRegion, PageScan, Vma, PAGE_IS_WRITTEN, PM_SCAN_CHECK_WPASYNC, PM_SCAN_WP_MATCHING,
     },
-    ranges::{page_runs, Range, RangeSet},
+    ranges::{Range, RangeSet},
     remote::{nr, RemoteError, RemoteSession},
 };
 
@@ -75,15 +74,10 @@ nix::ioctl_readwrite!(uffdio_api, 0xAA, 0x3F, UffdioApi);
 nix::ioctl_readwrite!(uffdio_register, 0xAA, 0x00, UffdioRegister);
 nix::ioctl_readwrite!(uffdio_writeprotect, 0xAA, 0x06, UffdioWriteprotect);
 
-/// What a PAGEMAP_SCAN over some ranges found written (and protected again).
-#[derive(Debug, Default)]
-pub struct Written {
-    /// Pages written since they were last protected.
-    pub pages: HashSet<u64>,
-    /// Of those, pages mapped to the zero page: a read fault after `MADV_DONTNEED` maps it
-    /// unprotected, with no write at all.
-    pub zero_page: HashSet<u64>,
-}
+/// Pages the tracer named this far apart (in pages) or closer are protected again by one
+/// walk of the pages between them rather than one call each: a walk passes over a page table
+/// entry in a few nanoseconds, a system call costs a microsecond or two.
+const REPROTECT_GAP: u64 = 256;
 
 /// Errors arming a process.
 #[derive(Debug, thiserror::Error)]
@@ -358,21 +352,25 @@ impl Armed {
         let known = before.intersection(&self.registered);
         let new = known.minus(self.registered.as_slice());
         self.protect_new(&new);
-        self.scan_written(known.as_slice()).pages
+        self.scan_written(known.as_slice())
     }
 
     /// Write-protects the armed pages in `ranges` (sorted) with PAGEMAP_SCAN and returns
     /// those written since they were last protected. A range that fails is dropped from the
     /// armed set.
-    pub fn scan_written(&mut self, ranges: &[Range]) -> Written {
-        let mut written = Written::default();
-        self.walk_protecting(ranges, &mut |region: &PageRegion| {
-            let pages = (region.start..region.end).step_by(PAGE);
-            if region.categories & PAGE_IS_PFNZERO != 0 {
-                written.zero_page.extend(pages.clone());
-            }
-            written.pages.extend(pages);
-        });
+    ///
+    /// A page mapped to the zero page is among them (a read fault after `MADV_DONTNEED` maps
+    /// it unprotected, with no write at all); asking the walk to say which would take the
+    /// kernel off its fast path (a page table entry's protection bit alone) onto looking up
+    /// every entry's page, so the few pages that matter are looked up afterwards instead.
+    pub fn scan_written(&mut self, ranges: &[Range]) -> HashSet<u64> {
+        let mut written = HashSet::new();
+        self.walk_protecting(
+            ranges,
+            Some(&mut |region: &PageRegion| {
+                written.extend((region.start..region.end).step_by(PAGE));
+            }),
+        );
         written
     }
 
@@ -380,22 +378,31 @@ impl Armed {
     /// count as written then, which the caller knows, so none is listed (a first pass over
     /// a large target would spend more on the list than on the protecting).
     pub fn protect_new(&mut self, ranges: &[Range]) {
-        self.walk_protecting(ranges, &mut |_: &PageRegion| {});
+        self.walk_protecting(ranges, None);
     }
 
     /// Write-protects the armed pages in `ranges` with PAGEMAP_SCAN, handing `found` each
-    /// region of pages written since they were last protected. A range that fails is dropped
-    /// from the armed set.
-    fn walk_protecting(&mut self, ranges: &[Range], found: &mut dyn FnMut(&PageRegion)) {
+    /// region of pages written since they were last protected (with no `found`, the walk
+    /// lists nothing). A range that fails is dropped from the armed set.
+    fn walk_protecting(
+        &mut self,
+        ranges: &[Range],
+        mut found: Option<&mut dyn FnMut(&PageRegion)>,
+    ) {
         let mut failed = Vec::new();
         let scan = PageScan {
             flags: PM_SCAN_WP_MATCHING | PM_SCAN_CHECK_WPASYNC,
             category_mask: PAGE_IS_WRITTEN,
-            return_mask: PAGE_IS_WRITTEN | PAGE_IS_PFNZERO,
+            return_mask: PAGE_IS_WRITTEN,
         };
         for range in ranges {
             for Range { start, end } in self.registered.within(*range) {
-                if let Err(errno) = scan.walk(self.pagemap.as_fd(), start, end, &mut *found) {
+                let fd = self.pagemap.as_fd();
+                let done = match found.as_mut() {
+                    Some(found) => scan.walk(fd, start, end, &mut **found),
+                    None => scan.protect(fd, start, end),
+                };
+                if let Err(errno) = done {
                     log::debug!(
                         "pid {}: PAGEMAP_SCAN {start:#x}-{end:#x}: {errno}",
                         self.pid
@@ -408,18 +415,37 @@ impl Armed {
     }
 
     /// Write-protects `pages` again (the pages written since they were last protected, as
-    /// the tracer saw them), one `UFFDIO_WRITEPROTECT` per run of consecutive armed pages. A
-    /// run that fails (its range no longer registered) is dropped from the armed set.
-    pub fn reprotect(&mut self, pages: &HashSet<u64>) {
+    /// the tracer saw them) and returns the other pages found written among them, with the
+    /// number of pages whose written bit was read to find them.
+    ///
+    /// Pages the tracer names lie scattered (a steady pass finds one page written here, one
+    /// there), and a system call per run of them cost a steady pass more than anything else
+    /// it did. So pages at most [`REPROTECT_GAP`] apart are protected again together: a run
+    /// of consecutive pages with one `UFFDIO_WRITEPROTECT`, pages with gaps between them by
+    /// one PAGEMAP_SCAN walk over the gaps too, which protects only what it finds written
+    /// and reports it. A page written without a fault (the audit's business) is then
+    /// reported, never protected unseen. A part that fails (its range no longer registered)
+    /// is dropped from the armed set.
+    pub fn reprotect(&mut self, pages: &HashSet<u64>) -> (HashSet<u64>, u64) {
         let mut sorted: Vec<u64> = pages
             .iter()
             .copied()
             .filter(|&p| self.registered.contains(p))
             .collect();
         sorted.sort_unstable();
+        let mut found = HashSet::new();
+        let mut walked = 0;
         let mut failed = Vec::new();
-        for pages in page_runs(&sorted, usize::MAX) {
-            let run = Range::new(pages[0], pages[pages.len() - 1] + PAGE_SIZE);
+        for cluster in sorted.chunk_by(|a, b| b - a <= REPROTECT_GAP * PAGE_SIZE) {
+            let run = Range::new(cluster[0], cluster[cluster.len() - 1] + PAGE_SIZE);
+            if cluster.len() as u64 != run.pages() {
+                // Walked as the audit walks; what it finds written besides `pages` is
+                // returned.
+                walked += run.pages();
+                let written = self.scan_written(&[run]);
+                found.extend(written.into_iter().filter(|p| !pages.contains(p)));
+                continue;
+            }
             // A run may straddle two registered ranges (VMAs): protect each part.
             for part in self.registered.within(run) {
                 let mut wp = UffdioWriteprotect {
@@ -446,6 +472,7 @@ impl Armed {
             }
         }
         self.registered.remove(&failed);
+        (found, walked)
     }
 }
 

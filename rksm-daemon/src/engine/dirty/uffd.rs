@@ -134,11 +134,15 @@ pub(crate) fn ebpf_pass(
         let new = armed_before.minus(armed.armed_ranges().as_slice());
         armed.protect_new(&new);
         written = recorded;
-        armed.reprotect(&written);
+        // Protecting the recorded pages again walks some pages between them, and reports
+        // those it finds written: audited, as the slice is.
+        let (between, walked_between) = armed.reprotect(&written);
         let vouched = armed_before.intersection(armed.armed_ranges());
         let slice = audit_slice(&vouched, audit.0, audit.1);
-        walked = new.iter().chain(&slice).map(|r| r.pages()).sum();
-        audited = Some(armed.scan_written(&slice));
+        walked = new.iter().chain(&slice).map(|r| r.pages()).sum::<u64>() + walked_between;
+        let mut audit = armed.scan_written(&slice);
+        audit.extend(between);
+        audited = Some(audit);
     }
     let trusted = armed_before.intersection(armed.armed_ranges());
     let late = after();
@@ -148,20 +152,23 @@ pub(crate) fn ebpf_pass(
         // audit saw written is in the records taken by now, unless it was written without
         // a fault.
         let mut unseen: Vec<u64> = audit
-            .pages
             .iter()
             .copied()
-            .filter(|p| !written.contains(p) && !audit.zero_page.contains(p))
+            .filter(|p| !written.contains(p))
             .collect();
         unseen.sort_unstable();
         // ksmd merging a page maps the KSM page without the protection: neither a write nor
-        // a change of content.
-        let merged = procfs::ksm_mapped(pid, &unseen);
-        written.extend(audit.pages.into_iter().filter(|p| !merged.contains(p)));
+        // a change of content. A read after `MADV_DONTNEED` maps the zero page unprotected:
+        // no write either, but a change of content, which the scan rehashes.
+        let (merged, zero) = procfs::ksm_or_zero_mapped(pid, &unseen);
+        written.extend(audit.into_iter().filter(|p| !merged.contains(p)));
         // The scan rehashes them; those whose content changed are misses. (ksmd's own
         // copy-on-write of a page it failed to merge writes it without a fault, with the
         // same bytes: no miss.)
-        unseen.into_iter().filter(|p| !merged.contains(p)).collect()
+        unseen
+            .into_iter()
+            .filter(|p| !merged.contains(p) && !zero.contains(p))
+            .collect()
     });
     (
         EbpfFound {

@@ -147,15 +147,24 @@ impl Work {
     }
 }
 
-/// One chunk of a target's scan.
+/// One chunk of a target's scan: `pages` pages of address space from `start`, looked up
+/// with one pagemap read and read with one job.
 #[derive(Debug, Clone, Copy)]
 struct Step {
     start: u64,
     pages: usize,
-    /// Of sparse pages: only `Work::rehash` pages are hashed again.
-    sparse: bool,
+    /// Of sparse pages, which of `Work::sparse` lie in it (the others are not looked at);
+    /// only `Work::rehash` pages are hashed again.
+    sparse: Option<Sparse>,
     /// Pages of address space it accounts for, for progress.
     weight: u64,
+}
+
+/// The sparse pages of a step: `Work::sparse[first..first + count]`.
+#[derive(Debug, Clone, Copy)]
+struct Sparse {
+    first: usize,
+    count: usize,
 }
 
 /// One target's scan in a pass, advanced a chunk at a time.

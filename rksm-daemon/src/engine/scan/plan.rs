@@ -7,7 +7,7 @@ use rksm_common::PAGE_SIZE;
 
 use super::{
     place::add_pair, report::PageCounts, sampling::settle, InProgress, Open, ProcessScanError,
-    Scanner, Step, Work, READ_PAGES,
+    Scanner, Sparse, Step, Work, CHUNK_PAGES, READ_PAGES,
 };
 use crate::{
     engine::{
@@ -18,7 +18,7 @@ use crate::{
     },
     kernel::{
         procfs::{Pagemap, Vma},
-        ranges::{page_runs, Range, RangeSet},
+        ranges::{Range, RangeSet},
         reader::ProcMem,
     },
 };
@@ -212,7 +212,7 @@ impl Scanner {
                     scan.steps.push_back(Step {
                         start: from,
                         pages: n,
-                        sparse: false,
+                        sparse: None,
                         weight: std::mem::take(&mut weight) + n as u64,
                     });
                     from += n as u64 * PAGE_SIZE;
@@ -220,14 +220,27 @@ impl Scanner {
             }
             scan.done += weight;
         }
-        // One pagemap read per run of consecutive pages.
-        for run in page_runs(&scan.work.sparse, READ_PAGES) {
+        // Sparse pages a window of address space at a time (as many pages as one pagemap
+        // read returns, of which as many as one batch reads): one pagemap read and one read
+        // for the pages written near each other, however many runs they make (a steady pass
+        // finds writes scattered one page here, one there).
+        let sparse = &scan.work.sparse;
+        let mut first = 0;
+        while let Some(&start) = sparse.get(first) {
+            let end = start + CHUNK_PAGES as u64 * PAGE_SIZE;
+            let count = sparse[first..]
+                .iter()
+                .take(READ_PAGES)
+                .take_while(|&&a| a < end)
+                .count();
+            let last = sparse[first + count - 1];
             scan.steps.push_back(Step {
-                start: run[0],
-                pages: run.len(),
-                sparse: true,
-                weight: run.len() as u64,
+                start,
+                pages: ((last - start) / PAGE_SIZE) as usize + 1,
+                sparse: Some(Sparse { first, count }),
+                weight: count as u64,
             });
+            first += count;
         }
         scan.open = Some(open);
         scan

@@ -11,12 +11,13 @@ use rksm_common::{PAGE, PAGE_SIZE};
 
 use super::{
     report::Progress, sampling::settle, scans_done, Candidate, InProgress, Prepared,
-    ProcessScanError, Scanner, Source, Step,
+    ProcessScanError, Scanner, Source, Sparse, Step,
 };
 use crate::{
     engine::{
         checksum::NO_CHECKSUM,
         index::{ContentSource, Index, PageRef},
+        pages::PageInfo,
     },
     kernel::reader::{self, ProcMem, ReaderError},
 };
@@ -318,14 +319,23 @@ impl Scanner {
         let step = scan.steps.pop_front()?;
         match self.prepare(scan, step) {
             Ok(Some((prepared, job))) => {
-                // Fewer entries than asked: the rest of the run, from where pagemap stopped.
+                // Fewer entries than asked: the rest of the step, from where pagemap stopped.
                 let got = prepared.got;
                 if got > 0 && got < step.pages {
+                    let start = step.start + got as u64 * PAGE_SIZE;
+                    let sparse = step.sparse.map(|s| {
+                        let taken = scan.work.sparse[s.first..s.first + s.count]
+                            .partition_point(|&a| a < start);
+                        Sparse {
+                            first: s.first + taken,
+                            count: s.count - taken,
+                        }
+                    });
                     scan.steps.push_front(Step {
-                        start: step.start + got as u64 * PAGE_SIZE,
+                        start,
                         pages: step.pages - got,
+                        sparse,
                         weight: 0,
-                        ..step
                     });
                 }
                 Some((prepared, job))
@@ -363,13 +373,30 @@ impl Scanner {
             return Ok(None);
         };
         let (start, n) = (step.start, step.pages);
-        let rehash = step.sparse.then_some(&work.rehash);
+        let rehash = step.sparse.is_some().then_some(&work.rehash);
         let pages = target.pages_mut();
         let pid = open.pid;
         let got = open.pagemap.read(start, &mut self.entries[..n])?;
+        let end = start + got as u64 * PAGE_SIZE;
+        // The pages looked at: all those pagemap covered, or of a sparse step only its own.
+        let looked_at: Vec<usize> = match step.sparse {
+            None => (0..got).collect(),
+            Some(s) => work.sparse[s.first..s.first + s.count]
+                .iter()
+                .take_while(|&&a| a < end)
+                .map(|&a| ((a - start) / PAGE_SIZE) as usize)
+                .collect(),
+        };
         counts.pagemap_pages += got as u64;
         // What was known about these pages is taken out, and put back for those present.
-        let old = pages.pages_in(start, start + got as u64 * PAGE_SIZE);
+        let old: Vec<(u64, PageInfo)> = match step.sparse {
+            None => pages.pages_in(start, end),
+            Some(_) => looked_at
+                .iter()
+                .map(|&i| start + i as u64 * PAGE_SIZE)
+                .filter_map(|a| Some((a, pages.get(a)?)))
+                .collect(),
+        };
         let old_digests: Vec<Option<u32>> =
             old.iter().map(|&(a, _)| pages.counted_digest(a)).collect();
         for &(addr, _) in &old {
@@ -388,7 +415,8 @@ impl Scanner {
         let mut to_read = Vec::with_capacity(got);
         let mut mapped_once = Vec::with_capacity(got);
         let mut shared_mappings = Vec::new();
-        for (i, entry) in self.entries[..got].iter().enumerate() {
+        for &i in &looked_at {
+            let entry = self.entries[i];
             let Some(pfn) = entry.pfn() else { continue };
             if entry.file_or_shared() {
                 continue;

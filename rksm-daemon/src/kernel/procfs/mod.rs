@@ -13,12 +13,11 @@ mod pagemap;
 
 pub use maps::{mergeable_ranges, read_maps, Vma};
 pub use pagemap::{
-    ksm_flag_reliable, ksm_mapped, thp_enabled, thp_mapped, KpageFlags, PageFlags, Pagemap,
-    PagemapEntry,
+    ksm_flag_reliable, ksm_mapped, ksm_or_zero_mapped, thp_enabled, thp_mapped, KpageFlags,
+    PageFlags, Pagemap, PagemapEntry,
 };
 pub(crate) use pagemap::{
-    PageRegion, PageScan, PAGE_IS_PFNZERO, PAGE_IS_WRITTEN, PM_SCAN_CHECK_WPASYNC,
-    PM_SCAN_WP_MATCHING,
+    PageRegion, PageScan, PAGE_IS_WRITTEN, PM_SCAN_CHECK_WPASYNC, PM_SCAN_WP_MATCHING,
 };
 
 /// Errors reading /proc.
@@ -49,8 +48,14 @@ pub(crate) fn io_error(pid: u32, path: PathBuf, source: io::Error) -> ProcfsErro
 /// A /proc file as text. The kernel writes what processes chose (a command name, a mapped
 /// file's path) as raw bytes, which need not be UTF-8: a byte that is not is read as U+FFFD,
 /// so no process can make its files unreadable to rksm by its choice of name.
+///
+/// /proc files say they are empty, so `std::fs::read` would ask their size and then probe
+/// them 32 bytes at a time: five system calls of a pass's hundreds per file. One read into
+/// a page's room takes most of them whole.
 pub fn read_text(path: impl AsRef<std::path::Path>) -> io::Result<String> {
-    let bytes = std::fs::read(path)?;
+    use std::io::Read;
+    let mut bytes = Vec::with_capacity(4096);
+    std::fs::File::open(path)?.read_to_end(&mut bytes)?;
     Ok(match String::from_utf8(bytes) {
         Ok(text) => text,
         Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),

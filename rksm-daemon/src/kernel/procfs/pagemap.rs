@@ -21,7 +21,6 @@ use crate::kernel::ranges::{page_runs, Range};
 /// PAGEMAP_SCAN (Linux 6.7): the pages of a range by category, one region per run.
 pub(crate) const PAGE_IS_WRITTEN: u64 = 1 << 1;
 pub(crate) const PAGE_IS_PRESENT: u64 = 1 << 3;
-pub(crate) const PAGE_IS_PFNZERO: u64 = 1 << 5;
 
 /// `struct page_region`.
 #[repr(C)]
@@ -105,17 +104,61 @@ impl PageScan {
     }
 }
 
+impl PageScan {
+    /// Write-protects `start..end` of the pagemap `fd` (flags [`PM_SCAN_WP_MATCHING`]) and
+    /// lists nothing: without a vector of regions to fill, the kernel protects every page
+    /// of a page table in one loop over its entries.
+    pub fn protect(
+        self,
+        fd: BorrowedFd<'_>,
+        start: u64,
+        end: u64,
+    ) -> Result<(), nix::errno::Errno> {
+        let mut arg = PmScanArg {
+            size: size_of::<PmScanArg>() as u64,
+            flags: self.flags,
+            start,
+            end,
+            category_mask: self.category_mask,
+            return_mask: self.return_mask,
+            ..PmScanArg::default()
+        };
+        // SAFETY: `arg` names no vector (vec_len 0): the kernel writes nothing of ours but
+        // `arg` itself.
+        unsafe { pagemap_scan(fd.as_raw_fd(), &mut arg) }.map(|_| ())
+    }
+}
+
 /// Those of `pages` (of `pid`, sorted) mapped to KSM pages: one pagemap read per run of
 /// consecutive pages, one kpageflags read per page mapped more than once.
 pub fn ksm_mapped(pid: u32, pages: &[u64]) -> HashSet<u64> {
-    mapped_where(pid, pages, |entry, flags| {
+    mapped_where(pid, pages, |_, entry, flags| {
         !entry.exclusive() && flags().is_some_and(PageFlags::ksm)
     })
 }
 
+/// Those of `pages` (of `pid`, sorted) mapped to KSM pages, and those mapped to the zero
+/// page.
+pub fn ksm_or_zero_mapped(pid: u32, pages: &[u64]) -> (HashSet<u64>, HashSet<u64>) {
+    let mut zero = HashSet::new();
+    let ksm = mapped_where(pid, pages, |page, entry, flags| {
+        if entry.exclusive() {
+            return false;
+        }
+        let flags = flags().unwrap_or_default();
+        if flags.zero_page() {
+            zero.insert(page);
+        }
+        flags.ksm()
+    });
+    (ksm, zero)
+}
+
 /// Those of `pages` (of `pid`, sorted) that are part of a transparent huge page.
 pub fn thp_mapped(pid: u32, pages: &[u64]) -> HashSet<u64> {
-    mapped_where(pid, pages, |_, flags| flags().is_some_and(PageFlags::thp))
+    mapped_where(pid, pages, |_, _, flags| {
+        flags().is_some_and(PageFlags::thp)
+    })
 }
 
 /// Those of `pages` (sorted) present in `pid` whose entry and frame flags satisfy `keep`
@@ -123,7 +166,7 @@ pub fn thp_mapped(pid: u32, pages: &[u64]) -> HashSet<u64> {
 fn mapped_where(
     pid: u32,
     pages: &[u64],
-    keep: impl Fn(PagemapEntry, &dyn Fn() -> Option<PageFlags>) -> bool,
+    mut keep: impl FnMut(u64, PagemapEntry, &dyn Fn() -> Option<PageFlags>) -> bool,
 ) -> HashSet<u64> {
     let mut mapped = HashSet::new();
     let (Ok(pagemap), Ok(flags)) = (Pagemap::open(pid), KpageFlags::open()) else {
@@ -138,7 +181,7 @@ fn mapped_where(
             let Some(pfn) = entry.pfn() else {
                 continue;
             };
-            if keep(entry, &|| flags.get(pfn).ok()) {
+            if keep(page, entry, &|| flags.get(pfn).ok()) {
                 mapped.insert(page);
             }
         }
