@@ -8,9 +8,7 @@ use std::{
 };
 
 use super::{
-    adopted::Adopted,
-    domains::{self, SeveralDomains},
-    Daemon, SHORT_OF_FILES_WARN_EVERY,
+    adopted::Adopted, domains::SeveralDomains, outsiders, Daemon, SHORT_OF_FILES_WARN_EVERY,
 };
 use crate::{
     ebpf::{guard, marks::MarkWatch, waits},
@@ -292,7 +290,7 @@ impl Daemon {
 
     /// Processes outside the targets, of another domain than some target's, whose memory is
     /// mergeable, and which have not been warned about yet.
-    pub(super) fn new_outsiders(&mut self) -> Vec<domains::Outsider> {
+    pub(super) fn new_outsiders(&mut self) -> Vec<outsiders::Outsider> {
         let pids: HashSet<u32> = self.targets.keys().copied().collect();
         let names: HashSet<String> = self
             .targets
@@ -301,8 +299,10 @@ impl Daemon {
             .collect();
         self.outsiders_seen
             .retain(|id| ProcessId::of(id.pid) == Some(*id));
-        let marked = self.marks.as_ref().map(MarkWatch::take).unwrap_or_default();
-        self.outsiders = domains::mergeable_outsiders(self.config.domain, &pids, &names, &marked);
+        let marked = self.marks.as_ref().map(MarkWatch::take);
+        self.outsiders =
+            self.outsider_looks
+                .look(self.config.domain, &pids, &names, marked.as_ref());
         self.outsiders
             .iter()
             .filter(|o| ProcessId::of(o.pid).is_some_and(|id| !self.outsiders_seen.contains(&id)))
@@ -311,7 +311,7 @@ impl Daemon {
     }
 
     /// Warns once about each of `outsiders`, and counts them.
-    pub(super) fn warn_about(&mut self, outsiders: &[domains::Outsider]) {
+    pub(super) fn warn_about(&mut self, outsiders: &[outsiders::Outsider]) {
         for o in outsiders {
             if let Some(id) = ProcessId::of(o.pid) {
                 self.outsiders_seen.insert(id);

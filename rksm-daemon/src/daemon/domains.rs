@@ -13,7 +13,7 @@
 //! counted by the targets that hold them and go when the last of those targets goes, so
 //! nothing here outlives the processes it is about.
 
-use std::collections::{hash_map::Entry, HashMap, HashSet};
+use std::collections::{hash_map::Entry, HashMap};
 
 use crate::engine::keys::{KeyMap, KeySet};
 use crate::kernel::{process, procfs};
@@ -99,89 +99,6 @@ pub enum OutsiderPolicy {
 }
 
 crate::value_enum_text!(OutsiderPolicy => "policy");
-
-/// A process outside the targets with mergeable memory, in a domain some target is not in.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Outsider {
-    /// Its pid.
-    pub pid: u32,
-    /// Its command name.
-    pub comm: String,
-    /// Its merge domain.
-    pub domain: String,
-}
-
-impl std::fmt::Display for Outsider {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "pid {} ({}, {})",
-            self.pid,
-            procfs::printable(&self.comm),
-            procfs::printable(&self.domain)
-        )
-    }
-}
-
-/// The domain given to a process whose /proc files could not be read: it counts as an
-/// outsider of a domain of its own.
-const UNREADABLE: &str = "unreadable";
-
-/// Every process but `targets` (pids) and rksm whose memory is mergeable (its ksm_stat says
-/// so), or that asked to make memory mergeable since the last look (`marked`, from the mark
-/// watch), and whose domain under `policy` differs from one of `target_domains`. With one
-/// domain for all (`none`) there are none. A live process whose files cannot be read is
-/// listed (rksm cannot tell what it marks); one with no memory (a kernel thread, a zombie)
-/// is not.
-pub fn mergeable_outsiders(
-    policy: DomainPolicy,
-    targets: &HashSet<u32>,
-    target_domains: &HashSet<String>,
-    marked: &HashSet<u32>,
-) -> Vec<Outsider> {
-    if policy == DomainPolicy::None || target_domains.is_empty() {
-        return Vec::new();
-    }
-    let me = std::process::id();
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    let alive = |pid: u32| std::path::Path::new(&format!("/proc/{pid}")).exists();
-    let mut found: Vec<Outsider> = entries
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| *pid != me && !targets.contains(pid))
-        .filter(|&pid| {
-            marked.contains(&pid)
-                || match procfs::read_text(format!("/proc/{pid}/ksm_stat")) {
-                    Ok(text) => procfs::KsmStat::parse(&text).is_none_or(|k| k.mergeable),
-                    // Exited, or a kernel before 6.1, which has no ksm_stat: there only the
-                    // mark watch sees who marks.
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
-                    Err(_) => alive(pid),
-                }
-        })
-        .filter_map(|pid| {
-            let domain = match policy.domain_of(pid) {
-                Some(domain) => domain,
-                None if alive(pid) => UNREADABLE.to_string(),
-                None => return None,
-            };
-            if target_domains.iter().all(|d| *d == domain) {
-                return None;
-            }
-            let comm = procfs::read_text(format!("/proc/{pid}/comm")).unwrap_or_default();
-            Some(Outsider {
-                pid,
-                comm: comm.trim_end().to_string(),
-                domain,
-            })
-        })
-        .filter(|o| alive(o.pid))
-        .collect();
-    found.sort_by_key(|o| o.pid);
-    found
-}
 
 /// The domains in use, numbered, which domain first marked each content, and the contents
 /// each domain gave way on.

@@ -22,6 +22,7 @@ mod backoff;
 pub mod crossings;
 pub mod domains;
 mod marking;
+pub mod outsiders;
 mod pacing;
 mod refusals;
 mod stats;
@@ -191,7 +192,7 @@ pub enum DaemonError {
     SeveralDomains(Vec<String>),
     /// Processes outside the targets could probe other domains' pages through ksmd.
     #[error("processes outside the targets mark their memory mergeable in another merge domain, so ksmd would merge their pages with the targets' and they could probe every page rksm marks: {}; target them too, use one domain (--domain none), or start anyway with --outsiders warn", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "))]
-    MergeableOutsiders(Vec<domains::Outsider>),
+    MergeableOutsiders(Vec<outsiders::Outsider>),
 }
 
 /// The running daemon.
@@ -218,7 +219,9 @@ pub struct Daemon {
     /// When running out of file descriptors was last warned about.
     warned_short_of_files: Option<Instant>,
     /// Outsiders of another domain with mergeable memory, as of this pass.
-    outsiders: Vec<domains::Outsider>,
+    outsiders: Vec<outsiders::Outsider>,
+    /// What the looks for them remember from one pass to the next.
+    outsider_looks: outsiders::OutsiderLooks,
     /// What the last look for frames across domains was taken over.
     crossings_looked_at: Option<crossings::Inputs>,
     /// Targets whose own marks crossed domains, warned about once.
@@ -395,6 +398,7 @@ impl Daemon {
             outsiders_seen: HashSet::new(),
             warned_short_of_files: None,
             outsiders: Vec::new(),
+            outsider_looks: outsiders::OutsiderLooks::default(),
             crossings_looked_at: None,
             self_marked_warned: HashSet::new(),
             several_domains: false,
