@@ -3,6 +3,7 @@
 //! check every workload's memory, and reduce the samples to a [`RunResult`].
 
 use std::{
+    collections::HashMap,
     path::Path,
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
@@ -111,11 +112,57 @@ impl Workload {
     }
 }
 
-/// CPU seconds (user + system) of a process from /proc/PID/stat (fields 14 and 15).
-fn cpu_seconds(pid: u32) -> Option<f64> {
+/// CPU seconds (user + system) of a process from /proc/PID/stat (fields 14 and 15), in
+/// clock ticks.
+fn cpu_ticks_seconds(pid: u32) -> Option<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let ticks = |n| procfs::stat_field(&stat, n)?.parse::<u64>().ok();
     Some((ticks(14)? + ticks(15)?) as f64 / procfs::clock_ticks_per_second())
+}
+
+/// Nanoseconds task `path` (a /proc/PID or /proc/PID/task/TID directory) has run, from its
+/// `schedstat` (kernels with scheduler statistics).
+fn run_ns(path: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("{path}/schedstat")).ok()?;
+    text.split_whitespace().next()?.parse().ok()
+}
+
+/// CPU seconds of a single-threaded process (ksmd): to the nanosecond where the kernel
+/// keeps scheduler statistics, else in clock ticks.
+fn cpu_seconds(pid: u32) -> Option<f64> {
+    run_ns(&format!("/proc/{pid}"))
+        .map(|ns| ns as f64 / 1e9)
+        .or_else(|| cpu_ticks_seconds(pid))
+}
+
+/// A process's CPU seconds to the nanosecond: its threads' run times summed, each thread's
+/// last one kept once it has exited. /proc/PID/stat counts in ticks of 10 ms, as much as a
+/// steady pass costs, which made a steady state's CPU a count of a few ticks.
+#[derive(Debug, Default)]
+struct CpuClock {
+    threads: HashMap<u32, u64>,
+}
+
+impl CpuClock {
+    /// The process's CPU seconds so far (in clock ticks where the kernel keeps no scheduler
+    /// statistics).
+    fn read(&mut self, pid: u32) -> Option<f64> {
+        let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+        let mut any = false;
+        for tid in tasks
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        {
+            if let Some(ns) = run_ns(&format!("/proc/{pid}/task/{tid}")) {
+                self.threads.insert(tid, ns);
+                any = true;
+            }
+        }
+        match any {
+            true => Some(self.threads.values().sum::<u64>() as f64 / 1e9),
+            false => cpu_ticks_seconds(pid),
+        }
+    }
 }
 
 /// A process's VmRSS and VmHWM, in KiB.
@@ -370,6 +417,7 @@ fn watch(
     let started = Instant::now();
     let daemon_pid = subject.daemon_pid();
     let mut w = Watched::default();
+    let mut daemon_cpu = CpuClock::default();
     let keep_going = |samples: &[Sample]| {
         let t = started.elapsed().as_secs_f64();
         match config {
@@ -385,7 +433,7 @@ fn watch(
     };
     while keep_going(&w.samples) {
         std::thread::sleep(SAMPLE_EVERY);
-        if let Some(cpu) = daemon_pid.and_then(cpu_seconds) {
+        if let Some(cpu) = daemon_pid.and_then(|pid| daemon_cpu.read(pid)) {
             w.rksm_cpu = cpu;
         }
         if let Some(now) = daemon_pid.and_then(resident_kib) {
