@@ -88,6 +88,13 @@ impl SampleIndex {
         self.digests.reserve(pages);
     }
 
+    /// Gives back the room made for new pages whose digests left again (read whole and
+    /// found one of a kind, or gone).
+    pub fn shrink(&mut self) {
+        self.digests.shrink();
+        self.counts.shrink_to_fit();
+    }
+
     /// Fetches what [`SampleIndex::meet`] of `digest` reads first, a few pages ahead of it.
     pub fn prefetch(&self, digest: u32) {
         self.digests.prefetch(digest);

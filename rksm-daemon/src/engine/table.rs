@@ -18,6 +18,10 @@ use std::hash::Hasher;
 /// absent after about 13 buckets, a present one after 3.
 const MAX_LOAD: (usize, usize) = (4, 5);
 
+/// The load under which [`Table::shrink`] gives room back, and the load it leaves.
+const SHRINK_BELOW: (usize, usize) = (7, 10);
+const SHRUNK_TO: (usize, usize) = (3, 4);
+
 /// Spreads `key` over 64 bits, as the engine's other tables do.
 pub fn mix(key: u64) -> u64 {
     let mut h = KeyHasher::default();
@@ -206,6 +210,18 @@ impl<E: Entry> Table<E> {
         }
     }
 
+    /// Gives back the room of entries that left: a table below [`SHRINK_BELOW`] of its
+    /// buckets is rebuilt at [`SHRUNK_TO`], which leaves room to grow by a few percent before
+    /// it grows by half again. Room made at once for a pass's pages, many of which share a
+    /// digest or leave, is otherwise kept for good.
+    pub fn shrink(&mut self, hash_of: impl Fn(E) -> u64) {
+        if self.len * SHRINK_BELOW.1 < self.buckets.len() * SHRINK_BELOW.0 {
+            let cap = (self.len * SHRUNK_TO.1 / SHRUNK_TO.0 + 1).max(16);
+            self.rebuild(cap, &hash_of);
+            self.buckets.shrink_to_fit();
+        }
+    }
+
     fn grow(&mut self, hash_of: &impl Fn(E) -> u64) {
         let cap = (self.buckets.len() + self.buckets.len() / 2).max(16);
         self.rebuild(cap, hash_of);
@@ -246,6 +262,11 @@ impl DigestSet {
     /// Makes room for `additional` more digests at once.
     pub fn reserve(&mut self, additional: usize) {
         self.table.reserve(additional, hash_digest);
+    }
+
+    /// Gives back the room of digests that left (see [`Table::shrink`]).
+    pub fn shrink(&mut self) {
+        self.table.shrink(hash_digest);
     }
 
     /// Fetches where `digest` would be, ahead of an [`DigestSet::insert`] of it.
@@ -365,6 +386,37 @@ mod tests {
         assert!(set.contains(0) && set.len() == 1);
         assert!(set.remove(0) && !set.remove(0));
         assert!(set.is_empty());
+    }
+
+    #[test]
+    fn room_left_by_digests_that_went_is_given_back_and_what_stays_is_kept() {
+        let mut set = DigestSet::default();
+        let all = values(3, 100_000, u32::MAX);
+        set.reserve(all.len());
+        for &d in &all {
+            set.insert(d);
+        }
+        let (stay, go) = all.split_at(30_000);
+        for &d in go {
+            set.remove(d);
+        }
+        let before = set.table.buckets.len();
+        set.shrink();
+        let after = set.table.buckets.len();
+        assert!(after < before / 2, "{before} buckets, then {after}");
+        // At the load it leaves: above what a growth leaves, below the most allowed.
+        let len = set.len();
+        assert!(
+            after * MAX_LOAD.0 >= len * MAX_LOAD.1 && after * 2 <= len * 3,
+            "{after} buckets for {len}"
+        );
+        let (stay, go): (HashSet<u32>, HashSet<u32>) =
+            (stay.iter().copied().collect(), go.iter().copied().collect());
+        assert!(stay.difference(&go).all(|&d| set.contains(d)));
+        assert!(go.iter().all(|&d| !set.contains(d)));
+        // A table at its load is left as it is.
+        set.shrink();
+        assert_eq!(set.table.buckets.len(), after);
     }
 
     #[test]

@@ -210,6 +210,9 @@ const SCAN_GROUP: usize = 64;
 /// A pass that read or sampled this many pages gives back what it held only for itself.
 const RELEASE_AFTER_PAGES: u64 = 64 * CHUNK_PAGES as u64;
 
+/// The largest buffer of a batch a small pass keeps for the next (16 pages).
+const KEPT_BATCH_BYTES: usize = 16 * rksm_common::PAGE;
+
 /// Scans targets pass after pass; what it remembers about each target is kept in the
 /// target's record, and only what spans targets (the indexes) is kept here.
 pub struct Scanner {
@@ -433,8 +436,18 @@ impl Scanner {
             for index in self.indexes.values_mut() {
                 index.release_cache();
             }
+            for samples in self.samples.values_mut() {
+                samples.shrink();
+            }
             self.spare_batches = Vec::new();
             self.recent = RecentBatches::default();
+        } else {
+            // A small pass keeps its batches' buffers for the next, as large as its reads
+            // were; one that read a window of scattered pages keeps none larger than a steady
+            // pass needs.
+            self.spare_batches
+                .retain(|b| b.capacity() <= KEPT_BATCH_BYTES);
+            self.recent.release_larger_than(KEPT_BATCH_BYTES);
         }
         // What was found in each target goes to its record; a duplicate's company may be
         // found in another target's scan, so only now.

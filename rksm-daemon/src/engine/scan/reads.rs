@@ -165,6 +165,18 @@ impl RecentBatches {
         spare
     }
 
+    /// Lets go of the buffers of the batches kept that hold more than `bytes`: what they
+    /// read is of no use to the next pass, which forgets it.
+    pub(super) fn release_larger_than(&mut self, bytes: usize) {
+        for batch in &mut self.batches {
+            if batch.bytes.capacity() > bytes {
+                batch.bytes = Vec::new();
+                batch.addrs.clear();
+                batch.sums.clear();
+            }
+        }
+    }
+
     /// Forgets what was read (a new pass: pages may have changed since); keeps the buffers.
     pub(super) fn forget(&mut self) {
         for batch in &mut self.batches {
