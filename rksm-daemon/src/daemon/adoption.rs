@@ -3,7 +3,7 @@
 //! processes outside the targets that mark their own memory mergeable named.
 
 use std::{
-    collections::{BTreeSet, HashSet},
+    collections::{BTreeSet, HashMap, HashSet},
     time::Instant,
 };
 
@@ -15,7 +15,7 @@ use crate::{
     engine::target::Target,
     kernel::{
         limits,
-        process::{Process, ProcessId},
+        process::{Observed, Process, ProcessId},
         procfs,
         ranges::Range,
         remote::{self, RemoteError},
@@ -185,19 +185,25 @@ impl Daemon {
             log::info!("pid {pid} exited");
             self.drop_target(pid);
         }
+        // Each target's /proc files, read once for every question below.
+        let observed: HashMap<u32, Observed> = self
+            .targets
+            .values()
+            .filter_map(|t| Some((t.pid(), t.process().observe()?)))
+            .collect();
         // A process that exec'd has a new address space: its arming, marks and checksums
         // describe one that no longer exists. It starts over, as a new target.
         let exec_d: Vec<u32> = self
             .targets
             .values()
-            .filter(|t| t.process().has_new_image())
+            .filter(|t| t.process().has_new_image_in(observed.get(&t.pid())))
             .map(|t| t.pid())
             .collect();
         for pid in exec_d {
             log::info!("pid {pid} executed a new program; starting over with it");
             self.drop_target(pid);
         }
-        self.follow_the_processes();
+        self.follow_the_processes(&observed);
         self.refusals.prune();
         let targets = &self.targets;
         match self
@@ -222,7 +228,12 @@ impl Daemon {
         }
         let pids: Vec<u32> = self.targets.keys().copied().collect();
         for pid in pids {
-            if let Err(RemoteError::Refused { reason, .. }) = remote::check_borrowable(pid) {
+            // A target adopted just now was not observed: its files are read.
+            let borrowable = match observed.get(&pid) {
+                Some(o) => remote::check_borrowable_as(pid, o.status(), o.stat()),
+                None => remote::check_borrowable(pid),
+            };
+            if let Err(RemoteError::Refused { reason, .. }) = borrowable {
                 self.refuse_remote(pid, reason);
             }
         }
@@ -233,13 +244,16 @@ impl Daemon {
     /// borrowed again, so what was marked in it stays marked. One whose merge domain changed
     /// (a `setuid`, a move to another cgroup) takes nothing marked into its new domain: rksm
     /// unmarks what it marked there and places it again, as a new target, next pass.
-    fn follow_the_processes(&mut self) {
+    fn follow_the_processes(&mut self, observed: &HashMap<u32, Observed>) {
         let outsiders = self.new_outsiders();
         self.warn_about(&outsiders);
         let mut off_limits = Vec::new();
         let mut moved = Vec::new();
         for target in self.targets.values() {
-            let Some(standing) = target.process().standing() else {
+            let standing = observed
+                .get(&target.pid())
+                .and_then(|o| target.process().standing_in(o));
+            let Some(standing) = standing else {
                 continue;
             };
             if let Some(reason) = standing.off_limits {

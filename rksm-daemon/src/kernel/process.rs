@@ -203,17 +203,8 @@ impl Process {
     /// on a FUSE or NFS server that stopped answering).
     pub fn image(&self) -> Option<Image> {
         let exe = fs::read_link(format!("/proc/{}/exe", self.pid)).ok()?;
-        // An executable replaced on disk (a package upgrade) is the same image.
-        let exe = exe.to_string_lossy();
-        let exe = exe.strip_suffix(" (deleted)").unwrap_or(&exe).to_string();
         let stat = read_text(format!("/proc/{}/stat", self.pid)).ok()?;
-        let start_code = stat_field(&stat, 26)?.parse().ok()?;
-        let start_stack = stat_field(&stat, 28)?.parse().ok()?;
-        Some(Image {
-            exe,
-            start_code,
-            start_stack,
-        })
+        Image::of(&exe.to_string_lossy(), &stat)
     }
 
     /// True if the process has executed a new program since it was opened (or has exited):
@@ -222,11 +213,21 @@ impl Process {
         self.image() != self.image_at_open
     }
 
+    /// [`Process::has_new_image`], as `observed` says.
+    pub fn has_new_image_in(&self, observed: Option<&Observed>) -> bool {
+        observed.and_then(Observed::image) != self.image_at_open
+    }
+
     /// What the process is now, from one read of /proc: a process can make itself off
     /// limits after it was opened (`setuid`, `PR_SET_DUMPABLE`) or change its user ids, so
     /// this is asked again every pass. None once it is gone.
     pub fn standing(&self) -> Option<Standing> {
-        let stat = ProcStat::read(self.pid).ok()?;
+        self.standing_in(&self.observe()?)
+    }
+
+    /// [`Process::standing`], as `observed` says.
+    pub fn standing_in(&self, observed: &Observed) -> Option<Standing> {
+        let stat = ProcStat::parse(self.pid, &observed.stat, &observed.status)?;
         Some(Standing {
             off_limits: stat
                 .refusal()
@@ -234,6 +235,17 @@ impl Process {
                 .or_else(|| stat.non_dumpable()),
             uids: stat.uids,
         })
+    }
+
+    /// Reads, once, what a pass's checks of the process ask of /proc: its image, its
+    /// standing, whether it can be borrowed now. None once it is gone.
+    pub fn observe(&self) -> Option<Observed> {
+        let stat = read_text(format!("/proc/{}/stat", self.pid)).ok()?;
+        let status = read_text(format!("/proc/{}/status", self.pid)).ok()?;
+        let exe = fs::read_link(format!("/proc/{}/exe", self.pid))
+            .ok()
+            .map(|exe| exe.to_string_lossy().into_owned());
+        Some(Observed { exe, stat, status })
     }
 
     /// True once the process has exited (its pidfd became readable). Never blocks.
@@ -251,6 +263,50 @@ pub struct Image {
     exe: String,
     start_code: u64,
     start_stack: u64,
+}
+
+impl Image {
+    /// The image of a process whose `exe` link reads `exe` and whose /proc/PID/stat reads
+    /// `stat`.
+    fn of(exe: &str, stat: &str) -> Option<Image> {
+        // An executable replaced on disk (a package upgrade) is the same image.
+        let exe = exe.strip_suffix(" (deleted)").unwrap_or(exe).to_string();
+        let start_code = stat_field(stat, 26)?.parse().ok()?;
+        let start_stack = stat_field(stat, 28)?.parse().ok()?;
+        Some(Image {
+            exe,
+            start_code,
+            start_stack,
+        })
+    }
+}
+
+/// What /proc said of a process at one moment ([`Process::observe`]): a pass asks several
+/// questions of each target (a new program? off limits now? in another domain? can it be
+/// borrowed?), and reading its files once for all of them kept a steady pass over many
+/// targets from spending most of its time reading the same files again.
+#[derive(Debug, Clone)]
+pub struct Observed {
+    /// Where its `exe` link points (None for a process without one, a kernel thread).
+    exe: Option<String>,
+    stat: String,
+    status: String,
+}
+
+impl Observed {
+    /// Its /proc/PID/stat.
+    pub fn stat(&self) -> &str {
+        &self.stat
+    }
+
+    /// Its /proc/PID/status.
+    pub fn status(&self) -> &str {
+        &self.status
+    }
+
+    fn image(&self) -> Option<Image> {
+        Image::of(self.exe.as_deref()?, &self.stat)
+    }
 }
 
 /// What a process is now ([`Process::standing`]).

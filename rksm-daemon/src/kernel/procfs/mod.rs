@@ -56,6 +56,8 @@ pub fn read_text(path: impl AsRef<std::path::Path>) -> io::Result<String> {
     use std::io::Read;
     let mut bytes = Vec::with_capacity(4096);
     std::fs::File::open(path)?.read_to_end(&mut bytes)?;
+    // Kept no larger than the text: a pass holds a target's files while it asks about it.
+    bytes.shrink_to_fit();
     Ok(match String::from_utf8(bytes) {
         Ok(text) => text,
         Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),

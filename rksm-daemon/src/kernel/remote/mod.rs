@@ -234,12 +234,19 @@ impl BorrowStatus {
 pub fn check_borrowable(pid: u32) -> Result<(), RemoteError> {
     let status =
         procfs::read_text(format!("/proc/{pid}/status")).map_err(|_| RemoteError::Gone(pid))?;
+    let stat = procfs::read_text(format!("/proc/{pid}/stat")).unwrap_or_default();
+    check_borrowable_as(pid, &status, &stat)
+}
+
+/// [`check_borrowable`], as the process's /proc/PID/`status` and `stat` read a moment ago
+/// say.
+pub fn check_borrowable_as(pid: u32, status: &str, stat: &str) -> Result<(), RemoteError> {
     let refused = |reason| Err(RemoteError::Refused { pid, reason });
-    let status = BorrowStatus::parse(&status);
+    let status = BorrowStatus::parse(status);
     if let Some(reason) = status.as_ref().and_then(BorrowStatus::refusal) {
         return refused(reason);
     }
-    if is_32bit_program(pid) {
+    if is_32bit_program(stat) {
         return refused(RemoteRefusal::Compat);
     }
     match status {

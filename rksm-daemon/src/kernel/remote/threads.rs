@@ -110,13 +110,12 @@ pub(super) fn choose_thread(pid: u32) -> Result<Pid, RemoteError> {
 }
 
 /// True if the program is 32-bit (i386 or x32): its stack starts below 4 GiB, where a 64-bit
-/// program's never does (it is at the top of the 47-bit space). From /proc/PID/stat: opening
-/// the executable to read its ELF header would wait with a FUSE server that stopped
-/// answering. The registers at the stop say it again, exactly.
-pub(super) fn is_32bit_program(pid: u32) -> bool {
-    procfs::read_text(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|stat| procfs::stat_field(&stat, 28)?.parse::<u64>().ok())
+/// program's never does (it is at the top of the 47-bit space). From its /proc/PID/stat
+/// (`stat`): opening the executable to read its ELF header would wait with a FUSE server that
+/// stopped answering. The registers at the stop say it again, exactly.
+pub(super) fn is_32bit_program(stat: &str) -> bool {
+    procfs::stat_field(stat, 28)
+        .and_then(|start| start.parse::<u64>().ok())
         .is_some_and(|start_stack| start_stack != 0 && start_stack < 1 << 32)
 }
 
