@@ -440,19 +440,7 @@ fn watch(
             w.rss = Some(now);
         }
         if daemon_pid.is_some() && w.samples.len().is_multiple_of(SAMPLES_PER_STATUS) {
-            let last = status::query(socket).ok().and_then(|s| s.last_pass);
-            if let Some(pass) = last {
-                if w.passes.last().is_none_or(|p| p.number < pass.number) {
-                    w.passes.push(PassSeen {
-                        number: pass.number,
-                        pages_hashed: pass.pages_hashed,
-                        seconds: pass.seconds,
-                        seen_at: started.elapsed().as_secs_f64(),
-                        written_bits_read: pass.written_bits_read,
-                    });
-                }
-                w.first_pass_cpu.get_or_insert(w.rksm_cpu);
-            }
+            w.see_last_pass(socket, started);
         }
         w.samples.push(Sample {
             t: started.elapsed().as_secs_f64(),
@@ -461,7 +449,31 @@ fn watch(
             ksmd_cpu: base.ksmd_cpu(),
         });
     }
+    // The pass that ended since the last look: a short run may otherwise see none in its
+    // steady state, where its queries fell just before its passes ended.
+    if daemon_pid.is_some() {
+        w.see_last_pass(socket, started);
+    }
     w
+}
+
+impl Watched {
+    /// Asks the daemon for its last pass, and keeps it if it is new.
+    fn see_last_pass(&mut self, socket: &Path, started: Instant) {
+        let Some(pass) = status::query(socket).ok().and_then(|s| s.last_pass) else {
+            return;
+        };
+        if self.passes.last().is_none_or(|p| p.number < pass.number) {
+            self.passes.push(PassSeen {
+                number: pass.number,
+                pages_hashed: pass.pages_hashed,
+                seconds: pass.seconds,
+                seen_at: started.elapsed().as_secs_f64(),
+                written_bits_read: pass.written_bits_read,
+            });
+        }
+        self.first_pass_cpu.get_or_insert(self.rksm_cpu);
+    }
 }
 
 /// Runs one configuration once.
