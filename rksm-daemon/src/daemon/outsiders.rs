@@ -67,8 +67,9 @@ struct Seen {
 pub struct OutsiderLooks {
     seen: HashMap<u32, Seen>,
     every_process_at: Option<Instant>,
-    /// ksm_stat files read, over all looks.
-    reads: u64,
+    /// The processes whose ksm_stat the last look read.
+    #[cfg(test)]
+    last_read: HashSet<u32>,
 }
 
 impl OutsiderLooks {
@@ -103,6 +104,8 @@ impl OutsiderLooks {
         let alive = |pid: u32| std::path::Path::new(&format!("/proc/{pid}")).exists();
         let mut seen = HashMap::with_capacity(self.seen.len());
         let mut mergeable = Vec::new();
+        #[cfg(test)]
+        self.last_read.clear();
         for entry in entries.flatten() {
             let Some(pid) = entry
                 .file_name()
@@ -122,7 +125,8 @@ impl OutsiderLooks {
                 || before.is_none_or(|s| s.mergeable);
             let now = match (read, before) {
                 (true, _) | (_, None) => {
-                    self.reads += 1;
+                    #[cfg(test)]
+                    self.last_read.insert(pid);
                     match procfs::read_text(format!("/proc/{pid}/ksm_stat")) {
                         Ok(text) => procfs::KsmStat::parse(&text).is_none_or(|k| k.mergeable),
                         // Exited, or a kernel before 6.1, which has no ksm_stat: there only
@@ -169,11 +173,6 @@ impl OutsiderLooks {
         found.sort_by_key(|o| o.pid);
         found
     }
-
-    /// How many ksm_stat files the looks have read.
-    pub fn reads(&self) -> u64 {
-        self.reads
-    }
 }
 
 #[cfg(test)]
@@ -202,31 +201,45 @@ mod tests {
         if !ksm_stat_readable() {
             return;
         }
+        // A process of this test's own, not mergeable, alive through every look: other
+        // tests start and end processes meanwhile, so only what is read of it is counted.
+        let quiet = Quiet::spawn();
+        let pid = quiet.child.id();
         let mut looks = OutsiderLooks::default();
         let none = HashSet::new();
         let domains = domains_but_mine();
         looks.look(DomainPolicy::Uid, &none, &domains, Some(&none));
-        let first = looks.reads();
-        assert!(first > 0, "the first look reads every process");
+        assert!(looks.last_read.contains(&pid), "the first look reads it");
         looks.look(DomainPolicy::Uid, &none, &domains, Some(&none));
-        let second = looks.reads() - first;
-        // Only processes started between the two looks, and mergeable ones, are read again.
         assert!(
-            second < first / 2 + 8,
-            "a second look read {second} of {first}"
+            !looks.last_read.contains(&pid),
+            "a second look reads it again though it is not new, not marked, not mergeable"
         );
         // A process the mark watch names is read again, and listed while mergeable.
-        let me = std::process::id();
-        let marked = HashSet::from([me]);
-        let before = looks.reads();
-        let found = looks.look(DomainPolicy::Uid, &HashSet::new(), &domains, Some(&marked));
-        assert!(looks.reads() > before);
+        let marked = HashSet::from([pid, std::process::id()]);
+        let found = looks.look(DomainPolicy::Uid, &none, &domains, Some(&marked));
+        assert!(looks.last_read.contains(&pid), "a marked process is read");
+        assert!(found.iter().any(|o| o.pid == pid), "not found: {found:?}");
         // rksm itself is never an outsider, whatever the watch says.
-        assert!(found.iter().all(|o| o.pid != me));
+        assert!(found.iter().all(|o| o.pid != std::process::id()));
+        // Counted mergeable at that look, it is read at the next, and found not to be.
+        looks.look(DomainPolicy::Uid, &none, &domains, Some(&none));
+        assert!(
+            looks.last_read.contains(&pid),
+            "a process mergeable before is read"
+        );
+        looks.look(DomainPolicy::Uid, &none, &domains, Some(&none));
+        assert!(
+            !looks.last_read.contains(&pid),
+            "read once it was not mergeable"
+        );
         // Without a mark watch, every process is read at every look.
-        let before = looks.reads();
         looks.look(DomainPolicy::Uid, &none, &domains, None);
-        assert!(looks.reads() - before >= first / 2);
+        assert!(looks.last_read.contains(&pid), "read without a mark watch");
+        // A pid the look has not seen under this inode is new, so it is read.
+        looks.seen.entry(pid).and_modify(|s| s.inode ^= 1);
+        looks.look(DomainPolicy::Uid, &none, &domains, Some(&none));
+        assert!(looks.last_read.contains(&pid), "a reused pid is read");
     }
 
     #[test]
@@ -249,6 +262,28 @@ mod tests {
         // Still listed at the next look, without the mark watch naming it.
         let found = looks.look(DomainPolicy::Uid, &none, &domains, Some(&none));
         assert!(found.iter().any(|o| o.pid == marker.child.id()));
+    }
+
+    /// A `sleep` whose memory is not mergeable.
+    struct Quiet {
+        child: std::process::Child,
+    }
+
+    impl Quiet {
+        fn spawn() -> Quiet {
+            let child = std::process::Command::new("sleep")
+                .arg("30")
+                .spawn()
+                .expect("sleep");
+            Quiet { child }
+        }
+    }
+
+    impl Drop for Quiet {
+        fn drop(&mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
     }
 
     impl Marker {

@@ -436,9 +436,6 @@ impl Scanner {
             for index in self.indexes.values_mut() {
                 index.release_cache();
             }
-            for samples in self.samples.values_mut() {
-                samples.shrink();
-            }
             self.spare_batches = Vec::new();
             self.recent = RecentBatches::default();
         } else {
@@ -448,6 +445,13 @@ impl Scanner {
             self.spare_batches
                 .retain(|b| b.capacity() <= KEPT_BATCH_BYTES);
             self.recent.release_larger_than(KEPT_BATCH_BYTES);
+            // The room a large pass made in the sample indexes for its new pages, many of
+            // which shared a digest or left, is given back once new memory stops coming: a
+            // fleet of workers starting one after another would otherwise have it rebuilt
+            // smaller and grown again at every one.
+            for samples in self.samples.values_mut() {
+                samples.shrink();
+            }
         }
         // What was found in each target goes to its record; a duplicate's company may be
         // found in another target's scan, so only now.
