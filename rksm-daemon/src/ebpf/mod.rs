@@ -10,6 +10,7 @@
 pub mod guard;
 pub mod marks;
 pub mod recorder;
+pub mod ring;
 pub mod sampler;
 pub mod tracefs;
 pub mod tracer;

@@ -13,7 +13,7 @@ use std::{
 };
 
 use aya::{
-    maps::{Array, HashMap as BpfHashMap, MapData, MapError, PerCpuArray, RingBuf},
+    maps::{Array, HashMap as BpfHashMap, Map, MapData, MapError, PerCpuArray},
     programs::{ProgramError, TracePoint},
     Ebpf, EbpfError,
 };
@@ -21,7 +21,10 @@ use rksm_common::{
     names, tracepoint, TracerCounters, TrackedProcess, WriteRecord, DEFAULT_RING_BYTES, PAGE_SIZE,
 };
 
-use crate::ebpf::tracefs::{self, TracefsError};
+use crate::ebpf::{
+    ring::Ring,
+    tracefs::{self, TracefsError},
+};
 
 /// The eBPF object built by `cargo xtask build` (empty if this binary was built without it).
 pub(crate) static EBPF_OBJECT: &[u8] =
@@ -64,6 +67,9 @@ pub enum TracerError {
     /// The object lacks a map or program the daemon expects (object and daemon out of sync).
     #[error("the eBPF object has no {0}; rebuild with `cargo xtask build`")]
     Missing(&'static str),
+    /// The record ring could not be mapped.
+    #[error("mapping the tracer's record ring: {0}")]
+    Ring(#[source] std::io::Error),
     /// A map operation failed.
     #[error("eBPF map {map}: {source}")]
     Map {
@@ -104,7 +110,7 @@ impl Default for TracerConfig {
 
 /// The loaded and attached write-fault tracer. Dropping it detaches the program.
 pub struct Tracer {
-    records: RingBuf<MapData>,
+    records: Ring,
     tracked: BpfHashMap<MapData, u32, TrackedProcess>,
     counters: PerCpuArray<MapData, TracerCounters>,
     /// When the program wakes a reader ([`names::WAKE`]), and the threshold it was set to.
@@ -175,8 +181,10 @@ impl Tracer {
 
         let map_err = |map| move |source| TracerError::Map { map, source };
         let take = |ebpf: &mut Ebpf, name| ebpf.take_map(name).ok_or(TracerError::Missing(name));
-        let records =
-            RingBuf::try_from(take(&mut ebpf, names::RECORDS)?).map_err(map_err(names::RECORDS))?;
+        let records = match take(&mut ebpf, names::RECORDS)? {
+            Map::RingBuf(map) => Ring::new(map, ring).map_err(TracerError::Ring)?,
+            _ => return Err(TracerError::Missing(names::RECORDS)),
+        };
         let tracked = BpfHashMap::try_from(take(&mut ebpf, names::TRACKED)?)
             .map_err(map_err(names::TRACKED))?;
         let counters = PerCpuArray::try_from(take(&mut ebpf, names::COUNTERS)?)
@@ -252,14 +260,12 @@ impl Tracer {
 
     /// Moves every record now in the ring into `log`; returns how many there were.
     pub fn drain(&mut self, log: &mut WriteLog) -> usize {
-        let mut drained = 0;
-        while let Some(item) = self.records.next() {
-            if let Some(record) = WriteRecord::from_bytes(&item) {
-                log.record(record.tgid, record.page);
-                drained += 1;
-            }
-        }
-        drained
+        self.records
+            .drain(|bytes: &[u8; size_of::<WriteRecord>()]| {
+                if let Some(record) = WriteRecord::from_bytes(bytes) {
+                    log.record(record.tgid, record.page);
+                }
+            })
     }
 
     /// Whether a reader polling [`Tracer::records_fd`] is woken for the first record after
