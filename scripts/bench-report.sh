@@ -5,7 +5,7 @@
 #
 #   cargo xtask build && sudo scripts/bench-report.sh [OUT]
 #
-# Takes about 27 minutes on two cores; needs about 17 GiB free for the 16 GiB profile.
+# Takes about 20 minutes on two cores; needs about 17 GiB free for the 16 GiB profile.
 set -eu
 out=${1:-bench-report}
 rksm=${RKSM:-target/release/rksm}

@@ -4,7 +4,9 @@
 # heaptrack calls leaked), and prints the live heap by the two innermost rksm frames that
 # allocated it, with rksm's VmRSS and VmHWM at that moment. With `maps` as third argument it
 # runs the daemon as it is (no heaptrack, which has an allocator of its own) and prints its
-# resident memory by mapping instead: the heap, the tracer's ring, the program's own pages.
+# resident memory by mapping instead (the heap, the tracer's ring, the program's own pages,
+# and every mapping above 1 MiB with its size), then, where gdb is installed, has the daemon
+# print glibc's malloc_stats (the heap in use) and call malloc_trim, and prints VmRSS after.
 #
 #   cargo xtask build && sudo scripts/heap-profile.sh quarter-16g 8
 #   cargo xtask build && sudo scripts/heap-profile.sh quarter-16g 8 maps
@@ -43,11 +45,21 @@ for line in open(sys.argv[1]):
     fields = line.split()
     if "-" in fields[0] and not fields[0].endswith(":"):
         name = fields[5] if len(fields) > 5 else "[anonymous]"
+        span = fields[0]
     elif fields[0] == "Rss:":
         rss[name] += int(fields[1])
+        start, end = (int(x, 16) for x in span.split("-"))
+        if int(fields[1]) > 1024:
+            print(f"{(end - start) >> 10:9d} KiB mapped, {int(fields[1]):9d} KiB resident  {name}")
 for name, kib in rss.most_common(8):
     print(f"{kib / 1024:8.1f} MiB  {name}")
 PY
+    if command -v gdb >/dev/null; then
+        gdb -p "$daemon" -batch -ex 'call (void)malloc_stats()' -ex 'call (int)malloc_trim(0)' \
+            >/dev/null 2>&1 || true
+        grep -A3 "^Arena 0:" "$dir/daemon.err" || true
+        echo "after malloc_trim: $(grep VmRSS "/proc/$daemon/status")"
+    fi
     kill "$daemon"
     exit 0
 fi
