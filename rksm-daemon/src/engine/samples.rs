@@ -89,10 +89,14 @@ impl SampleIndex {
     }
 
     /// Gives back the room made for new pages whose digests left again (read whole and
-    /// found one of a kind, or gone).
+    /// found one of a kind, or gone). The counts give back theirs only once three quarters
+    /// of it are free: a map just grown is half free, and shrunk then it would grow again
+    /// with the next few digests.
     pub fn shrink(&mut self) {
         self.digests.shrink();
-        self.counts.shrink_to_fit();
+        if self.counts.len() * 4 < self.counts.capacity() {
+            self.counts.shrink_to_fit();
+        }
     }
 
     /// Fetches what [`SampleIndex::meet`] of `digest` reads first, a few pages ahead of it.

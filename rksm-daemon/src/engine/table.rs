@@ -61,6 +61,9 @@ impl Entry for u64 {
 pub struct Table<E> {
     buckets: Vec<E>,
     len: usize,
+    /// The buckets were last made more by [`Table::reserve`], not by growing: room
+    /// [`Table::shrink`] may give back.
+    reserved: bool,
 }
 
 impl<E> Default for Table<E> {
@@ -68,6 +71,7 @@ impl<E> Default for Table<E> {
         Table {
             buckets: Vec::new(),
             len: 0,
+            reserved: false,
         }
     }
 }
@@ -207,15 +211,19 @@ impl<E: Entry> Table<E> {
         let wanted = (self.len + additional) * MAX_LOAD.1 / MAX_LOAD.0 + 1;
         if additional > 0 && wanted > self.buckets.len() {
             self.rebuild(wanted, &hash_of);
+            self.reserved = true;
         }
     }
 
-    /// Gives back the room of entries that left: a table below [`SHRINK_BELOW`] of its
-    /// buckets is rebuilt at [`SHRUNK_TO`], which leaves room to grow by a few percent before
-    /// it grows by half again. Room made at once for a pass's pages, many of which share a
-    /// digest or leave, is otherwise kept for good.
+    /// Gives back room made at once ([`Table::reserve`]) for entries many of which left:
+    /// a table so enlarged and now below [`SHRINK_BELOW`] of its buckets is rebuilt at
+    /// [`SHRUNK_TO`]. Room the table made by growing is kept: growing leaves it at two
+    /// thirds of the most it allows, and giving that back would have it rebuilt again with
+    /// every few percent it grew.
     pub fn shrink(&mut self, hash_of: impl Fn(E) -> u64) {
-        if self.len * SHRINK_BELOW.1 < self.buckets.len() * SHRINK_BELOW.0 {
+        if std::mem::take(&mut self.reserved)
+            && self.len * SHRINK_BELOW.1 < self.buckets.len() * SHRINK_BELOW.0
+        {
             let cap = (self.len * SHRUNK_TO.1 / SHRUNK_TO.0 + 1).max(16);
             self.rebuild(cap, &hash_of);
             self.buckets.shrink_to_fit();
@@ -225,6 +233,7 @@ impl<E: Entry> Table<E> {
     fn grow(&mut self, hash_of: &impl Fn(E) -> u64) {
         let cap = (self.buckets.len() + self.buckets.len() / 2).max(16);
         self.rebuild(cap, hash_of);
+        self.reserved = false;
     }
 
     fn rebuild(&mut self, cap: usize, hash_of: &impl Fn(E) -> u64) {
@@ -417,6 +426,19 @@ mod tests {
         // A table at its load is left as it is.
         set.shrink();
         assert_eq!(set.table.buckets.len(), after);
+        // So is one that grew by inserts, below that load just after growing: rebuilt
+        // smaller, it would grow again a few percent later, and so on.
+        let mut grown = DigestSet::default();
+        let mut digests = values(5, 100_000, u32::MAX).into_iter();
+        let buckets = |s: &DigestSet| s.table.buckets.len();
+        while buckets(&grown) < 1024
+            || grown.len() * SHRINK_BELOW.1 >= buckets(&grown) * SHRINK_BELOW.0
+        {
+            grown.insert(digests.next().expect("enough digests"));
+        }
+        let room = buckets(&grown);
+        grown.shrink();
+        assert_eq!(buckets(&grown), room, "room made by growing was given back");
     }
 
     #[test]

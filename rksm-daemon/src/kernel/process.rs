@@ -218,14 +218,9 @@ impl Process {
         observed.and_then(Observed::image) != self.image_at_open
     }
 
-    /// What the process is now, from one read of /proc: a process can make itself off
-    /// limits after it was opened (`setuid`, `PR_SET_DUMPABLE`) or change its user ids, so
-    /// this is asked again every pass. None once it is gone.
-    pub fn standing(&self) -> Option<Standing> {
-        self.standing_in(&self.observe()?)
-    }
-
-    /// [`Process::standing`], as `observed` says.
+    /// What the process is now, as `observed` (one read of /proc) says: a process can make
+    /// itself off limits after it was opened (`setuid`, `PR_SET_DUMPABLE`) or change its user
+    /// ids, so this is asked again every pass. None if its files do not parse.
     pub fn standing_in(&self, observed: &Observed) -> Option<Standing> {
         let stat = ProcStat::parse(self.pid, &observed.stat, &observed.status)?;
         Some(Standing {
@@ -309,7 +304,7 @@ impl Observed {
     }
 }
 
-/// What a process is now ([`Process::standing`]).
+/// What a process is now ([`Process::standing_in`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Standing {
     /// Why rksm must not touch it any more, if it must not.
