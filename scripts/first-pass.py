@@ -7,7 +7,8 @@ the daemon's own count to the end of its first pass (`first_pass_cpu_seconds` in
 --json counters) where it has one, and every build's CPU from start to exit (getrusage of
 the child), which a build without that counter can be compared by. One pass marks nothing,
 so every run finds the workloads as the first did. This machine's speed moves by a fifth
-from minute to minute: compare builds of one run only.
+from minute to minute: compare builds of one run only. The builds take turns at going
+first, and an even RUNS gives each the same share of both places.
 
     sudo scripts/first-pass.py quarter-4g 7 target/release/rksm /tmp/rksm-before
 """
@@ -35,8 +36,10 @@ def main():
                 pass
         pids = [arg for w in workloads for arg in ("--pid", str(w.pid))]
         seen = {b: {"first": [], "total": [], "pages": None} for b in builds}
-        for _ in range(runs):
-            for b in builds:
+        for run in range(runs):
+            # In turn first and last: the daemon that runs just after another's exit (its
+            # userfaultfds closed over the same memory) pays more.
+            for b in (builds if run % 2 == 0 else builds[::-1]):
                 before = resource.getrusage(resource.RUSAGE_CHILDREN)
                 done = subprocess.run(
                     [b, "--no-config", "daemon", *pids, "--dirty", "ebpf", "--interval", "1",

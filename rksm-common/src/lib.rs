@@ -245,9 +245,9 @@ pub mod sample {
 pub const MAX_TRACKED: u32 = 16384;
 /// Default size of the record ring in bytes (a power of two, a multiple of the page size).
 /// Each record takes 24 bytes in the ring (8 bytes of header), so this holds ~175k faults
-/// between two drains. Its pages are resident twice in the daemon (the kernel maps the data
-/// twice, so that a record that wraps reads as one), so it is sized by the drain's pace: see
-/// the daemon's wait.
+/// between two drains. Every page of it is resident in the daemon from the start (the kernel
+/// fills a ring's pages when they are mapped), so it is sized by the drain's pace: see the
+/// daemon's wait.
 pub const DEFAULT_RING_BYTES: u32 = 4 << 20;
 
 /// One write fault of a tracked process, as the program pushes it into the ring.

@@ -3,7 +3,7 @@
 //! A BPF ring's reader maps its data pages twice in a row, so that a record that wraps past
 //! the end reads as one piece; aya's and libbpf's readers do. The kernel fills both mappings
 //! when they are made, so every page of the ring counts twice in the daemon's resident
-//! memory, and the ring's 4 MiB were 8 MiB of it. This reader maps the data once and copies
+//! memory: the ring's 4 MiB would be 8 MiB of it. This reader maps the data once and copies
 //! a record that wraps (one of the few that straddle the end) in two pieces: a record is a
 //! few bytes, and the daemon copies each one out anyway.
 //!

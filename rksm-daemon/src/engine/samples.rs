@@ -11,12 +11,17 @@
 //! where such pages were met). Only then do checksums and byte compares decide what is a
 //! duplicate.
 
-use std::{
-    collections::{HashMap, HashSet},
-    hash::BuildHasherDefault,
+use std::{collections::HashSet, hash::BuildHasherDefault};
+
+use super::{
+    keys::KeyHasher,
+    pages::DigestChange,
+    table::{CountMap, DigestSet},
 };
 
-use super::{keys::KeyHasher, pages::DigestChange, table::DigestSet};
+/// How many digests ahead of its lookup a digest's places are fetched, where the digests of
+/// a batch are looked up one after another (see [`SampleIndex::read_whole_all`]).
+const AHEAD: usize = 16;
 
 /// Bits of an entry: pages read whole (saturating), pages only sampled (saturating), and
 /// whether pages of the digest are being read whole this pass (not counted yet). A count that
@@ -58,7 +63,7 @@ pub struct SampleIndex {
     /// Every digest kept.
     digests: DigestSet,
     /// The entries of the digests kept that are not [`LONE`].
-    counts: HashMap<u32, u32, BuildHasherDefault<KeyHasher>>,
+    counts: CountMap,
     /// Digests whose pages only sampled are to be read whole at the next look for them.
     wanted: HashSet<u32, BuildHasherDefault<KeyHasher>>,
 }
@@ -74,11 +79,11 @@ impl SampleIndex {
         if self.digests.insert(digest) {
             return Meets::Nothing;
         }
-        let v = self.counts.entry(digest).or_insert(LONE);
-        if read(*v) > 0 || *v & READING != 0 {
+        let v = self.counts.get(digest).unwrap_or(LONE);
+        if read(v) > 0 || v & READING != 0 {
             return Meets::Company;
         }
-        *v |= READING;
+        self.counts.set(digest, v | READING);
         self.wanted.insert(digest);
         Meets::Sampled
     }
@@ -94,20 +99,21 @@ impl SampleIndex {
     /// with the next few digests.
     pub fn shrink(&mut self) {
         self.digests.shrink();
-        if self.counts.len() * 4 < self.counts.capacity() {
-            self.counts.shrink_to_fit();
-        }
+        self.counts.compact();
     }
 
-    /// Fetches what [`SampleIndex::meet`] of `digest` reads first, a few pages ahead of it.
+    /// Fetches what [`SampleIndex::meet`] of `digest` reads, a few pages ahead of it: the
+    /// set's bucket, and the counts' for a digest met before. The counts are smaller than
+    /// the set, but not so small as to stay in the cache while the set is read.
     pub fn prefetch(&self, digest: u32) {
         self.digests.prefetch(digest);
+        self.counts.prefetch(digest);
     }
 
     /// The entry of `digest`, 0 if it is not kept.
     fn entry(&self, digest: u32) -> u32 {
-        match self.counts.get(&digest) {
-            Some(&v) => v,
+        match self.counts.get(digest) {
+            Some(v) => v,
             None if self.digests.contains(digest) => LONE,
             None => 0,
         }
@@ -118,16 +124,27 @@ impl SampleIndex {
         match v {
             0 => {
                 self.digests.remove(digest);
-                self.counts.remove(&digest);
+                self.counts.remove(digest);
             }
             LONE => {
                 self.digests.insert(digest);
-                self.counts.remove(&digest);
+                self.counts.remove(digest);
             }
             _ => {
                 self.digests.insert(digest);
-                self.counts.insert(digest, v);
+                self.counts.set(digest, v);
             }
+        }
+    }
+
+    /// Pages read whole with `digests`, as [`SampleIndex::read_whole`] each: a batch's
+    /// pages, whose digests are unrelated, so each lookup is fetched a few ahead of it.
+    pub fn read_whole_all(&mut self, digests: &[u32]) {
+        for (i, &digest) in digests.iter().enumerate() {
+            if let Some(&ahead) = digests.get(i + AHEAD) {
+                self.prefetch(ahead);
+            }
+            self.read_whole(digest);
         }
     }
 
@@ -167,8 +184,9 @@ impl SampleIndex {
                 DigestChange::Counted(d) => {
                     // Counted at least once from now on: never lone, so in `counts`.
                     let lone = !self.digests.insert(d);
-                    let v = self.counts.entry(d).or_insert(if lone { LONE } else { 0 });
-                    *v = with((read(*v) + 1).min(READ_MAX), sampled(*v), false);
+                    let v = self.counts.get(d).unwrap_or(if lone { LONE } else { 0 });
+                    self.counts
+                        .set(d, with((read(v) + 1).min(READ_MAX), sampled(v), false));
                 }
                 DigestChange::Uncounted(d) => self.change(d, |r, s| (r.saturating_sub(1), s)),
                 DigestChange::Unsampled(_, d) => self.unsample(d),

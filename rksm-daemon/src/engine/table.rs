@@ -1,5 +1,6 @@
-//! Hash tables of small entries, for the two tables rksm keeps an entry in for most pages it
-//! holds: the digests of pages only sampled, and the index's classes.
+//! Hash tables of small entries, for the tables rksm keeps an entry in for most pages it
+//! holds: the digests of pages only sampled (and the counts of those some other page has),
+//! and the index's classes.
 //!
 //! rksm's memory grows with the memory it watches, and these two tables are much of it. The
 //! standard table spends a control byte per bucket besides the entry, and its bucket count
@@ -168,6 +169,18 @@ impl<E: Entry> Table<E> {
         }
     }
 
+    /// Puts `entry` (nonzero) in place of the one `is` accepts, or adds it as
+    /// [`Table::insert`] does.
+    pub fn put(&mut self, hash: u64, entry: E, is: impl Fn(E) -> bool, hash_of: impl Fn(E) -> u64) {
+        if !self.buckets.is_empty() {
+            if let Ok(i) = self.probe(hash, &is) {
+                self.buckets[i] = entry;
+                return;
+            }
+        }
+        self.insert(hash, entry, is, hash_of);
+    }
+
     /// Takes out the entry with hash `hash` that `is` accepts, if held. The entries after it
     /// move back into the gap where their own probe allows it, so that no marker of a removed
     /// entry is left to lengthen later probes.
@@ -227,6 +240,18 @@ impl<E: Entry> Table<E> {
             let cap = (self.len * SHRUNK_TO.1 / SHRUNK_TO.0 + 1).max(16);
             self.rebuild(cap, &hash_of);
             self.buckets.shrink_to_fit();
+        }
+    }
+
+    /// Gives back room, however it was made, once three quarters of the buckets are empty:
+    /// for a table that grows by inserts and loses entries as it goes. Growing leaves half
+    /// of them empty, so a table is not rebuilt smaller only to grow again soon after.
+    pub fn compact(&mut self, hash_of: impl Fn(E) -> u64) {
+        if self.len * 4 < self.buckets.len() {
+            let cap = (self.len * SHRUNK_TO.1 / SHRUNK_TO.0 + 1).max(16);
+            self.rebuild(cap, &hash_of);
+            self.buckets.shrink_to_fit();
+            self.reserved = false;
         }
     }
 
@@ -314,6 +339,78 @@ impl DigestSet {
     }
 }
 
+/// A map of `u32` keys to nonzero `u32` values in about ten bytes an entry: the key and its
+/// value in one `u64` bucket. Unlike the standard map's, a lookup can be fetched ahead
+/// ([`CountMap::prefetch`]).
+#[derive(Debug, Default, Clone)]
+pub struct CountMap {
+    table: Table<u64>,
+}
+
+fn pack(key: u32, value: u32) -> u64 {
+    (u64::from(key) << 32) | u64::from(value)
+}
+
+fn key_of(entry: u64) -> u32 {
+    (entry >> 32) as u32
+}
+
+fn value_of(entry: u64) -> u32 {
+    entry as u32
+}
+
+fn hash_entry(entry: u64) -> u64 {
+    hash_digest(key_of(entry))
+}
+
+impl CountMap {
+    /// The value of `key`, if it has one.
+    pub fn get(&self, key: u32) -> Option<u32> {
+        self.table
+            .get(hash_digest(key), |e| key_of(e) == key)
+            .map(value_of)
+    }
+
+    /// Sets the value of `key` to `value`, which is not 0 (a key without a value is
+    /// [`CountMap::remove`]d).
+    pub fn set(&mut self, key: u32, value: u32) {
+        debug_assert_ne!(value, 0, "a value of 0 for {key}");
+        self.table.put(
+            hash_digest(key),
+            pack(key, value),
+            |e| key_of(e) == key,
+            hash_entry,
+        );
+    }
+
+    /// Takes `key` out, with its value if it had one.
+    pub fn remove(&mut self, key: u32) -> Option<u32> {
+        self.table
+            .remove(hash_digest(key), |e| key_of(e) == key, hash_entry)
+            .map(value_of)
+    }
+
+    /// Fetches where `key` would be, ahead of a lookup of it.
+    pub fn prefetch(&self, key: u32) {
+        self.table.prefetch(hash_digest(key));
+    }
+
+    /// Gives back room once three quarters of it are empty (see [`Table::compact`]).
+    pub fn compact(&mut self) {
+        self.table.compact(hash_entry);
+    }
+
+    /// Keys with a value.
+    pub fn len(&self) -> usize {
+        self.table.len()
+    }
+
+    /// Whether no key has a value.
+    pub fn is_empty(&self) -> bool {
+        self.table.is_empty()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -385,6 +482,49 @@ mod tests {
                 assert!(mine.contains(d));
             }
         }
+    }
+
+    #[test]
+    fn a_count_map_agrees_with_the_standard_map_and_gives_room_back_once_mostly_empty() {
+        for range in [50, 5_000, u32::MAX] {
+            let mut mine = CountMap::default();
+            let mut theirs = std::collections::HashMap::new();
+            let ops = values(range as u64 + 1, 40_000, range);
+            for (i, &k) in ops.iter().enumerate() {
+                match i % 4 {
+                    3 => assert_eq!(mine.remove(k), theirs.remove(&k), "remove {k}"),
+                    // Zero is a key like any other; values are not 0.
+                    _ => {
+                        let v = (i as u32 % 7) + 1;
+                        mine.set(k, v);
+                        theirs.insert(k, v);
+                    }
+                }
+                assert_eq!(mine.len(), theirs.len());
+            }
+            for k in values(9, 2_000, range).into_iter().chain([0]) {
+                assert_eq!(mine.get(k), theirs.get(&k).copied(), "get {k}");
+            }
+        }
+        let mut map = CountMap::default();
+        let mut keys = values(11, 100_000, u32::MAX);
+        keys.sort_unstable();
+        keys.dedup();
+        for &k in &keys {
+            map.set(k, k | 1);
+        }
+        let grown = map.table.buckets.len();
+        map.compact();
+        assert_eq!(map.table.buckets.len(), grown, "a table just grown is kept");
+        let (stay, go) = keys.split_at(10_000);
+        for &k in go {
+            map.remove(k);
+        }
+        map.compact();
+        let after = map.table.buckets.len();
+        assert!(after * 4 < grown, "{grown} buckets, then {after}");
+        assert!(stay.iter().all(|&k| map.get(k) == Some(k | 1)));
+        assert!(go.iter().all(|&k| map.get(k).is_none()));
     }
 
     #[test]

@@ -188,6 +188,7 @@ impl Scanner {
             &mut self.rep_batch,
         );
         let mut twin_list = Vec::new();
+        let mut read_whole = Vec::new();
         for candidate in &candidates {
             let page = PageRef {
                 pid,
@@ -294,13 +295,14 @@ impl Scanner {
             // A page read whole (written, or new where nothing is sampled) that meets pages
             // only sampled: those are read whole at their target's next pass.
             if let (Some(digest), Content::Loaded(_)) = (digest, content) {
-                if let Some(samples) = self.samples.get_mut(&open.domain) {
-                    samples.read_whole(digest);
-                }
+                read_whole.push(digest);
             }
             if let Some(known) = self.pfns_seen.get_mut(&candidate.pfn) {
                 *known = checksum;
             }
+        }
+        if let Some(samples) = self.samples.get_mut(&open.domain) {
+            samples.read_whole_all(&read_whole);
         }
         if let Some(spare) = self.recent.keep(pid, to_read, fresh, bytes, &twin_list) {
             self.spare_batches.push(spare);

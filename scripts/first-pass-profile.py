@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""Where a first pass's CPU goes, by mechanism, from perf's samples of the daemon.
+
+Starts the four workloads of PROFILE, runs one daemon over them for one pass under
+`perf record` (cpu-clock, DWARF call chains, so rksm's own frames are named), and files
+every sample under the first mechanism its call chain names, from the innermost frame out:
+a page fault taken while copying into rksm's buffer is a fault, a compare under the index is
+a compare. Start-up (loading the eBPF programs, with aya's parse of the kernel's BTF) and
+the daemon's exit (its userfaultfds closed, which un-protects every page) are apart; the
+first pass's own CPU (the daemon's `first_pass_cpu_seconds`) covers start-up and the pass.
+Needs perf and root. One run: this machine's speed moves from minute to minute, so compare
+shares, not seconds, across runs.
+
+    sudo scripts/first-pass-profile.py quarter-4g [RKSM]
+"""
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+# Phases, by a frame anywhere in the chain.
+PHASES = [
+    ("start-up", ["rksm::daemon::Daemon::start"]),
+    ("pass", ["rksm::daemon::Daemon::pass"]),
+    ("exit", ["rksm::daemon::Daemon::finish", "do_exit", "exit_mmap"]),
+]
+
+# Mechanisms of a pass, by the innermost frame that names one.
+MECHANISMS = [
+    ("first touch of rksm's own memory", ["asm_exc_page_fault"]),
+    ("sampling in the kernel", ["rksm::ebpf::sampler::Sampler::sample"]),
+    ("copying pages out (process_vm_readv)", ["rksm::kernel::reader::read_pages"]),
+    ("pagemap reads", ["rksm::kernel::procfs::pagemap::Pagemap::read",
+                       "rksm::kernel::procfs::pagemap::Pagemap::present_runs"]),
+    ("write protection", ["rksm::kernel::procfs::pagemap::PageScan::protect",
+                          "rksm::kernel::userfaultfd::"]),
+    ("checksums and compares", ["rksm::engine::checksum::", "__memcmp",
+                                "rksm::engine::scan::reads::RecentBatches::twin",
+                                "rksm_common::sample::digest_of"]),
+    ("sample index", ["rksm::engine::samples::", "SampleBatch::take_up"]),
+    # The hash tables (engine::table) are counted with their owner, the frame above them.
+    ("page index and page state", ["rksm::engine::index::", "rksm::engine::pages::"]),
+    ("allocator", ["malloc", "_int_free", "cfree", "realloc", "__libc_calloc"]),
+]
+
+
+def chains(data):
+    """(period, [frames, innermost first]) of every sample in perf data `data`."""
+    out = subprocess.run(["perf", "script", "-i", data, "-F", "period,ip,sym"],
+                         capture_output=True, text=True, check=True).stdout
+    for block in out.split("\n\n"):
+        lines = [l.strip() for l in block.strip().splitlines()]
+        if not lines or not lines[0].isdigit():
+            continue
+        frames = [l.split(None, 1)[1] if " " in l else l for l in lines[1:]]
+        yield int(lines[0]), frames
+
+
+def first_match(frames, rules):
+    for frame in frames:
+        for name, needles in rules:
+            if any(n in frame for n in needles):
+                return name
+    return None
+
+
+def main():
+    if len(sys.argv) < 2:
+        sys.exit("usage: first-pass-profile.py PROFILE [RKSM]")
+    profile = sys.argv[1]
+    rksm = sys.argv[2] if len(sys.argv) > 2 else "target/release/rksm"
+    workloads = [
+        subprocess.Popen([rksm, "--no-config", "workload", "--profile", profile,
+                          "--index", str(i)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for i in range(4)
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        data = os.path.join(tmp, "perf.data")
+        try:
+            for w in workloads:
+                while "ready" not in w.stdout.readline():
+                    pass
+            pids = [arg for w in workloads for arg in ("--pid", str(w.pid))]
+            done = subprocess.run(
+                ["perf", "record", "-q", "-F", "1999", "--call-graph", "dwarf,16384",
+                 "-o", data, "--", rksm, "--no-config", "daemon", *pids, "--dirty", "ebpf",
+                 "--interval", "1", "--passes", "1", "--json"],
+                capture_output=True, text=True, check=True)
+        finally:
+            for w in workloads:
+                w.kill()
+        stats = json.loads(done.stdout)
+        phases = collections.Counter()
+        mechanisms = collections.Counter()
+        for period, frames in chains(data):
+            phase = first_match(reversed(frames), PHASES) or "process start and end"
+            phases[phase] += period
+            if phase == "pass":
+                mechanisms[first_match(frames, MECHANISMS) or "the rest of the pass"] += period
+    total = sum(phases.values())
+    pages = stats.get("first_pass_pages") or 0
+    gb = pages * 4096 / 1e9
+    print(f"{profile}: {pages} pages ({gb:.2f} GB) present; first pass "
+          f"{stats.get('first_pass_cpu_seconds', 0):.3f} CPU s by the daemon's count; "
+          f"perf sampled {total / 1e9:.3f} s from start to exit")
+    print(f"{'':44} {'CPU s':>7} {'s/GB':>7} {'share':>6}")
+    for name, ns in phases.most_common():
+        print(f"{name:44} {ns / 1e9:7.3f} {ns / 1e9 / gb:7.4f} {ns / total:6.1%}")
+        if name == "pass":
+            for mech, mns in mechanisms.most_common():
+                print(f"  {mech:42} {mns / 1e9:7.3f} {mns / 1e9 / gb:7.4f} {mns / total:6.1%}")
+
+
+if __name__ == "__main__":
+    main()
