@@ -274,9 +274,9 @@ impl Scanner {
     ///
     /// All on this thread, a chunk at a time: copied out, checksummed and placed while its
     /// bytes are still in this core's cache. Reader threads that copied and checksummed the
-    /// next chunks while this one was placed took a first pass's time down by a third and
-    /// its CPU up by a third: the placing thread then compared bytes another core had
-    /// written, out of the shared cache or memory (see BENCHMARKS.md, "First pass").
+    /// next chunks while this one was placed took a first pass's time down and its CPU up:
+    /// the placing thread then compared bytes another core had written, out of the shared
+    /// cache or memory (docs/design.md, "One thread reads and places").
     pub(super) fn read_side_by_side(
         &mut self,
         scans: &mut [InProgress<'_>],
