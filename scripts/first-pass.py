@@ -37,8 +37,8 @@ def main():
         pids = [arg for w in workloads for arg in ("--pid", str(w.pid))]
         seen = {b: {"first": [], "total": [], "pages": None} for b in builds}
         for run in range(runs):
-            # In turn first and last: the daemon that runs just after another's exit (its
-            # userfaultfds closed over the same memory) pays more.
+            # In turn first and last: whichever build ran first in a round paid less here
+            # (8 to 9% at quarter-4g, either build), for reasons not known.
             for b in (builds if run % 2 == 0 else builds[::-1]):
                 before = resource.getrusage(resource.RUSAGE_CHILDREN)
                 done = subprocess.run(
