@@ -2,15 +2,16 @@
 //! holds: the digests of pages only sampled (and the counts of those some other page has),
 //! and the index's classes.
 //!
-//! rksm's memory grows with the memory it watches, and these two tables are much of it. The
+//! rksm's memory grows with the memory it watches, and these tables are much of it. The
 //! standard table spends a control byte per bucket besides the entry, and its bucket count
 //! is a power of two, so one entry past a power of two doubles it. Here a bucket is the entry
 //! alone (0 marks an empty one), buckets grow by half, and entries are found by linear
 //! probing, which keeps a lookup within a cache line or two at the load allowed. An entry is
-//! a `u32` or `u64` the caller gives meaning to: a digest itself (four bytes), or the slot of
-//! a record that holds the key with the high half of the key's hash (eight bytes: an entry of
-//! another key is then passed over without reading its record, a trip to memory). The caller
-//! says how to hash an entry and whether one is the key sought.
+//! a `u32` or `u64` the caller gives meaning to: a digest itself (four bytes), a key with its
+//! value (eight), or the slot of a record that holds the key with the high half of the key's
+//! hash (eight bytes: an entry of another key is then passed over without reading its
+//! record, a trip to memory). The caller says how to hash an entry and whether one is the key
+//! sought.
 
 use crate::engine::keys::KeyHasher;
 use std::hash::Hasher;
@@ -339,9 +340,8 @@ impl DigestSet {
     }
 }
 
-/// A map of `u32` keys to nonzero `u32` values in about ten bytes an entry: the key and its
-/// value in one `u64` bucket. Unlike the standard map's, a lookup can be fetched ahead
-/// ([`CountMap::prefetch`]).
+/// A map of `u32` keys to nonzero `u32` values, the key and its value in one `u64` bucket.
+/// Unlike the standard map's, a lookup can be fetched ahead ([`CountMap::prefetch`]).
 #[derive(Debug, Default, Clone)]
 pub struct CountMap {
     table: Table<u64>,
