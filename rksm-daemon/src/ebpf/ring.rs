@@ -152,12 +152,11 @@ impl Ring {
         }
     }
 
-    /// Hands every committed record now in the ring to `each`, its first `N` bytes (the rest
-    /// zero where a record is shorter), in order, and frees its room; returns how many. Stops
-    /// at a record the kernel is still writing.
-    pub fn drain<const N: usize>(&mut self, mut each: impl FnMut(&[u8; N])) -> usize {
+    /// Hands every committed record now in the ring to `each`, in order (its bytes, the
+    /// first `N` of a longer one), and frees its room. Stops at a record the kernel is still
+    /// writing.
+    pub fn drain<const N: usize>(&mut self, mut each: impl FnMut(&[u8])) {
         let mask = self.size - 1;
-        let mut records = 0;
         // Set once a position was published: before giving up on an empty ring or a record
         // in writing, a full barrier, so that either the kernel's next commit sees the
         // position (and wakes a poller by the ring's rule) or the look after it sees the
@@ -180,20 +179,19 @@ impl Ring {
                     fence_due = false;
                     continue;
                 }
-                _ => return records,
+                _ => return,
             };
             let len = u64::from(len_word & !(BUSY | DISCARD));
             if len > self.size - HEADER {
                 // Not a record the kernel could have written; nothing after it can be read.
                 log::error!("the tracer's ring holds a record of {len} bytes; reading stops");
-                return records;
+                return;
             }
             if len_word & DISCARD == 0 {
                 let mut out = [0u8; N];
                 let take = (len as usize).min(N);
                 self.copy_from((self.pos + HEADER) & mask, &mut out[..take]);
-                each(&out);
-                records += 1;
+                each(&out[..take]);
             }
             self.pos += (len + HEADER).next_multiple_of(8);
             // Room is given back record by record, as the kernel's readers do: a ring drained

@@ -260,12 +260,15 @@ impl Tracer {
 
     /// Moves every record now in the ring into `log`; returns how many there were.
     pub fn drain(&mut self, log: &mut WriteLog) -> usize {
-        self.records
-            .drain(|bytes: &[u8; size_of::<WriteRecord>()]| {
-                if let Some(record) = WriteRecord::from_bytes(bytes) {
-                    log.record(record.tgid, record.page);
-                }
-            })
+        let mut drained = 0;
+        self.records.drain::<{ size_of::<WriteRecord>() }>(|bytes| {
+            // A record shorter than the program writes is not one of its records.
+            if let Some(record) = WriteRecord::from_bytes(bytes) {
+                log.record(record.tgid, record.page);
+                drained += 1;
+            }
+        });
+        drained
     }
 
     /// Whether a reader polling [`Tracer::records_fd`] is woken for the first record after

@@ -19,9 +19,10 @@ use super::{
     table::{CountMap, DigestSet},
 };
 
-/// How many digests ahead of its lookup a digest's places are fetched, where the digests of
-/// a batch are looked up one after another (see [`SampleIndex::read_whole_all`]).
-const AHEAD: usize = 16;
+/// How many digests ahead of its lookup a digest's places are fetched
+/// ([`SampleIndex::prefetch`]), where the digests of a batch, unrelated to each other, are
+/// looked up one after another: each lookup would otherwise wait for memory in turn.
+pub const AHEAD: usize = 16;
 
 /// Bits of an entry: pages read whole (saturating), pages only sampled (saturating), and
 /// whether pages of the digest are being read whole this pass (not counted yet). A count that

@@ -238,9 +238,7 @@ impl<E: Entry> Table<E> {
         if std::mem::take(&mut self.reserved)
             && self.len * SHRINK_BELOW.1 < self.buckets.len() * SHRINK_BELOW.0
         {
-            let cap = (self.len * SHRUNK_TO.1 / SHRUNK_TO.0 + 1).max(16);
-            self.rebuild(cap, &hash_of);
-            self.buckets.shrink_to_fit();
+            self.rebuild_smaller(&hash_of);
         }
     }
 
@@ -249,11 +247,16 @@ impl<E: Entry> Table<E> {
     /// of them empty, so a table is not rebuilt smaller only to grow again soon after.
     pub fn compact(&mut self, hash_of: impl Fn(E) -> u64) {
         if self.len * 4 < self.buckets.len() {
-            let cap = (self.len * SHRUNK_TO.1 / SHRUNK_TO.0 + 1).max(16);
-            self.rebuild(cap, &hash_of);
-            self.buckets.shrink_to_fit();
+            self.rebuild_smaller(&hash_of);
             self.reserved = false;
         }
+    }
+
+    /// Rebuilds the table at [`SHRUNK_TO`] of its entries and hands the rest back.
+    fn rebuild_smaller(&mut self, hash_of: &impl Fn(E) -> u64) {
+        let cap = (self.len * SHRUNK_TO.1 / SHRUNK_TO.0 + 1).max(16);
+        self.rebuild(cap, hash_of);
+        self.buckets.shrink_to_fit();
     }
 
     fn grow(&mut self, hash_of: &impl Fn(E) -> u64) {

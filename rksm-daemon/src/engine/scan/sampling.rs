@@ -10,7 +10,7 @@ use crate::{
     ebpf::sampler::{Sampler, SamplerError},
     engine::{
         pages::PageState,
-        samples::{Meets, SampleIndex},
+        samples::{self, Meets, SampleIndex},
         target::Target,
     },
     kernel::{
@@ -18,10 +18,6 @@ use crate::{
         ranges::Range,
     },
 };
-
-/// How many pages ahead of its meeting a digest's place in the sample index is fetched: the
-/// digests of a batch are unrelated, so each meeting would otherwise wait for memory.
-const MEET_AHEAD: usize = 16;
 
 /// The buffers of the sampling stage, kept from batch to batch.
 #[derive(Default)]
@@ -68,7 +64,7 @@ impl SampleBatch {
         self.alone.clear();
         self.alone_digests.clear();
         for (i, (&addr, &digest)) in self.addrs.iter().zip(&self.digests).enumerate() {
-            if let Some(&ahead) = self.digests.get(i + MEET_AHEAD) {
+            if let Some(&ahead) = self.digests.get(i + samples::AHEAD) {
                 index.prefetch(ahead);
             }
             if digest == rksm_common::sample::UNREAD {
