@@ -471,6 +471,51 @@ fn a_large_first_pass_takes_the_checksum_of_each_copy_from_its_twin_and_merges_t
 }
 
 #[test]
+fn copies_laid_out_differently_in_each_process_still_take_their_twins_checksum() {
+    require_root();
+    let _turn = ksm_turn();
+    // The same 4,096 pages in two processes: packed in the first; in the second, in blocks
+    // of 32 with 32 pages of its own after each, which are one of a kind and only sampled.
+    // The second's batches of 128 copies span 224 pages of its memory, the first's 128: read
+    // level by address space, the second fell a batch further behind at every batch, out of
+    // reach of the batches kept.
+    const COPIES: u64 = 4096;
+    const BLOCK: u64 = 32;
+    let mut packed = TestChild::spawn();
+    let packed_region = packed.map(COPIES);
+    packed.write_unique(packed_region, 0, COPIES, 31);
+    let mut spread = TestChild::spawn();
+    let spread_region = spread.map(2 * COPIES);
+    for block in 0..COPIES / BLOCK {
+        let at = 2 * block * BLOCK;
+        spread.write_unique(spread_region, at, BLOCK, 31 + block * BLOCK);
+        spread.write_unique(spread_region, at + BLOCK, BLOCK, 1_000_000 + block * BLOCK);
+    }
+    let regions = [
+        (packed.pid(), packed_region, COPIES),
+        (spread.pid(), spread_region, 2 * COPIES),
+    ];
+    let mut daemon = daemon_over(&regions, DirtyMode::Ebpf);
+    let first = daemon.pass();
+    let stats = daemon.stats();
+    assert_eq!(stats.pages_only_sampled, COPIES, "{stats:?}");
+    assert_eq!(first.pages_hashed, 2 * COPIES, "{first:?}");
+    assert!(
+        stats.pages_twinned > COPIES * 9 / 10 && stats.pages_twinned <= COPIES,
+        "{} of {COPIES} copies twinned",
+        stats.pages_twinned
+    );
+    let second = daemon.pass();
+    assert_eq!(second.duplicates, COPIES, "{second:?}");
+    daemon.finish();
+    assert!(packed.verify_unique(packed_region, 0, COPIES, 31));
+    for block in 0..COPIES / BLOCK {
+        let at = 2 * block * BLOCK;
+        assert!(spread.verify_unique(spread_region, at, BLOCK, 31 + block * BLOCK));
+    }
+}
+
+#[test]
 fn a_thread_with_a_seccomp_filter_of_its_own_is_never_borrowed() {
     require_root();
     let _turn = ksm_turn();

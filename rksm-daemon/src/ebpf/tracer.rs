@@ -67,6 +67,10 @@ pub enum TracerError {
     /// The object lacks a map or program the daemon expects (object and daemon out of sync).
     #[error("the eBPF object has no {0}; rebuild with `cargo xtask build`")]
     Missing(&'static str),
+    /// A map of the object is not of the kind the daemon reads it as (object and daemon out
+    /// of sync).
+    #[error("the eBPF object's {0} is not a {1}; rebuild with `cargo xtask build`")]
+    WrongKind(&'static str, &'static str),
     /// The record ring could not be mapped.
     #[error("mapping the tracer's record ring: {0}")]
     Ring(#[source] std::io::Error),
@@ -183,7 +187,7 @@ impl Tracer {
         let take = |ebpf: &mut Ebpf, name| ebpf.take_map(name).ok_or(TracerError::Missing(name));
         let records = match take(&mut ebpf, names::RECORDS)? {
             Map::RingBuf(map) => Ring::new(map, ring).map_err(TracerError::Ring)?,
-            _ => return Err(TracerError::Missing(names::RECORDS)),
+            _ => return Err(TracerError::WrongKind(names::RECORDS, "ring buffer")),
         };
         let tracked = BpfHashMap::try_from(take(&mut ebpf, names::TRACKED)?)
             .map_err(map_err(names::TRACKED))?;

@@ -160,6 +160,13 @@ struct Step {
     weight: u64,
 }
 
+impl Step {
+    /// The pages it looks at: all of them, or of a sparse step only its own.
+    fn looks(&self) -> u64 {
+        self.sparse.map_or(self.pages, |s| s.count) as u64
+    }
+}
+
 /// The sparse pages of a step: `Work::sparse[first..first + count]`.
 #[derive(Debug, Clone, Copy)]
 struct Sparse {
@@ -177,7 +184,8 @@ struct InProgress<'t> {
     misses: u64,
     /// Pages of address space done, for progress.
     done: u64,
-    /// Pages of its steps taken so far: the targets read side by side are kept level by it.
+    /// Pages its steps taken so far look at ([`Step::looks`]): the targets read side by side
+    /// are kept level by it.
     taken: u64,
     error: Option<ProcessScanError>,
 }

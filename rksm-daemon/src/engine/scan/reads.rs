@@ -39,8 +39,12 @@ impl ContentSource for LiveMemory {
     }
 }
 
-/// How many batches read in a pass are kept after they are placed (8 MiB at most).
-const RECENT_BATCHES: usize = 16;
+/// How many batches read in a pass are kept after they are placed (2 MiB at most). A copy's
+/// twin is nearly always in the batch just before it (the targets are kept level by the
+/// pages each looked at), and a read then copies into a buffer written 2 MiB of copies
+/// ago, still in the processor's cache; with sixteen (8 MiB) it had mostly left it, and a
+/// first pass cost more (docs/BENCHMARKS.md, (f)).
+const RECENT_BATCHES: usize = 4;
 
 /// The last batches read in a pass, kept for the representatives of the next ones: the
 /// targets are read side by side, so the page a copy is compared with was most often read a
@@ -284,12 +288,15 @@ impl Scanner {
         pages_before: u64,
         progress: &mut dyn FnMut(Progress),
     ) -> bool {
-        // The targets are read side by side, kept level by the pages taken from each: workers
-        // of one program hold their copies of a content at about the same place, so the
-        // page a copy is compared with, or is the twin of, is still among the recent
-        // batches when the next copies come. (Taking a step of each in turn let a target
-        // whose duplicates followed more small runs of pages fall behind the others, out of
-        // reach of the recent batches.)
+        // The targets are read side by side, kept level by the pages each has looked at (of
+        // a sparse step, the pages listed in it, not the address space it spans): workers of
+        // one program list their copies of a content in the same order among the pages they
+        // read, however the pages only sampled lie between them, so the page a copy is
+        // compared with, or is the twin of, is in the batch before it or the one before
+        // that. (Kept level by address space spanned, a target whose copies lay further
+        // apart fell behind by a batch at every batch, out of reach of the recent batches;
+        // taking a step of each in turn did the same to one whose copies followed more
+        // small runs of pages.)
         loop {
             let Some(which) = (0..scans.len())
                 .filter(|&k| !scans[k].steps.is_empty())
@@ -302,8 +309,8 @@ impl Scanner {
             }
             let scan = &mut scans[which];
             let started = Instant::now();
-            let (weight, pages) = scan.steps.front().map_or((0, 0), |s| (s.weight, s.pages));
-            scan.taken += pages as u64;
+            let (weight, looks) = scan.steps.front().map_or((0, 0), |s| (s.weight, s.looks()));
+            scan.taken += looks;
             let next = self.prepare_next(scan);
             let read = next.and_then(|(prepared, job)| {
                 let open = scan.open.as_ref()?;
@@ -343,12 +350,15 @@ impl Scanner {
                             count: s.count - taken,
                         }
                     });
-                    scan.steps.push_front(Step {
+                    let rest = Step {
                         start,
                         pages: step.pages - got,
                         sparse,
                         weight: 0,
-                    });
+                    };
+                    // Counted again when it is taken.
+                    scan.taken -= rest.looks();
+                    scan.steps.push_front(rest);
                 }
                 Some((prepared, job))
             }
