@@ -477,8 +477,8 @@ fn copies_laid_out_differently_in_each_process_still_take_their_twins_checksum()
     // The same 4,096 pages in two processes: packed in the first; in the second, in blocks
     // of 32 with 32 pages of its own after each, which are one of a kind and only sampled.
     // The second's batches of 128 copies span 224 pages of its memory, the first's 128: read
-    // level by address space, the second fell a batch further behind at every batch, out of
-    // reach of the batches kept.
+    // level by address space, the second fell further behind at every batch, out of reach of
+    // the batches kept.
     const COPIES: u64 = 4096;
     const BLOCK: u64 = 32;
     let mut packed = TestChild::spawn();

@@ -294,7 +294,7 @@ impl Scanner {
         // read, however the pages only sampled lie between them, so the page a copy is
         // compared with, or is the twin of, is in the batch before it or the one before
         // that. (Kept level by address space spanned, a target whose copies lay further
-        // apart fell behind by a batch at every batch, out of reach of the recent batches;
+        // apart fell further behind at every batch, out of reach of the recent batches;
         // taking a step of each in turn did the same to one whose copies followed more
         // small runs of pages.)
         loop {
