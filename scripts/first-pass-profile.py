@@ -20,6 +20,8 @@ import subprocess
 import sys
 import tempfile
 
+import workloads
+
 # Phases, by a frame anywhere in the chain.
 PHASES = [
     ("start-up", ["rksm::daemon::Daemon::start"]),
@@ -71,27 +73,14 @@ def main():
         sys.exit("usage: first-pass-profile.py PROFILE [RKSM]")
     profile = sys.argv[1]
     rksm = sys.argv[2] if len(sys.argv) > 2 else "target/release/rksm"
-    workloads = [
-        subprocess.Popen([rksm, "--no-config", "workload", "--profile", profile,
-                          "--index", str(i)],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        for i in range(4)
-    ]
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "perf.data")
-        try:
-            for w in workloads:
-                while "ready" not in w.stdout.readline():
-                    pass
-            pids = [arg for w in workloads for arg in ("--pid", str(w.pid))]
+        with workloads.running(rksm, profile) as pids:
             done = subprocess.run(
                 ["perf", "record", "-q", "-F", "1999", "--call-graph", "dwarf,16384",
                  "-o", data, "--", rksm, "--no-config", "daemon", *pids, "--dirty", "ebpf",
                  "--interval", "1", "--passes", "1", "--json"],
                 capture_output=True, text=True, check=True)
-        finally:
-            for w in workloads:
-                w.kill()
         stats = json.loads(done.stdout)
         phases = collections.Counter()
         mechanisms = collections.Counter()

@@ -19,22 +19,14 @@ import statistics
 import subprocess
 import sys
 
+import workloads
+
 
 def main():
     if len(sys.argv) < 4:
         sys.exit("usage: first-pass.py PROFILE RUNS RKSM [RKSM...]")
     profile, runs, builds = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-    workloads = [
-        subprocess.Popen(
-            [builds[0], "--no-config", "workload", "--profile", profile, "--index", str(i)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        for i in range(4)
-    ]
-    try:
-        for w in workloads:
-            while "ready" not in w.stdout.readline():
-                pass
-        pids = [arg for w in workloads for arg in ("--pid", str(w.pid))]
+    with workloads.running(builds[0], profile) as pids:
         seen = {b: {"first": [], "total": [], "pages": None} for b in builds}
         for run in range(runs):
             # In turn first and last: whichever build ran first in a round paid less here
@@ -57,9 +49,6 @@ def main():
             print(f"{b}: first pass {first} CPU s, start to exit "
                   f"{statistics.median(s['total']):.3f} CPU s (medians of {runs}), "
                   f"{s['pages']} pages")
-    finally:
-        for w in workloads:
-            w.kill()
 
 
 if __name__ == "__main__":

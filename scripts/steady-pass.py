@@ -17,6 +17,8 @@ import subprocess
 import sys
 import time
 
+import workloads
+
 SECONDS = 30
 SETTLE = 14
 
@@ -40,17 +42,7 @@ def main():
     if len(sys.argv) < 4:
         sys.exit("usage: steady-pass.py PROFILE RUNS RKSM [RKSM...]")
     profile, runs, builds = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-    workloads = [
-        subprocess.Popen(
-            [builds[0], "--no-config", "workload", "--profile", profile, "--index", str(i)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        for i in range(4)
-    ]
-    try:
-        for w in workloads:
-            while "ready" not in w.stdout.readline():
-                pass
-        pids = [arg for w in workloads for arg in ("--pid", str(w.pid))]
+    with workloads.running(builds[0], profile) as pids:
         per_minute = {b: [] for b in builds}
         for run in range(runs + 1):
             for b in builds:
@@ -70,9 +62,6 @@ def main():
             m = statistics.median(values)
             print(f"{b}: steady state {m:.3f} CPU s a minute, {m / 60 * 1e3:.2f} ms a pass "
                   f"(median of {runs}: {', '.join(f'{v:.3f}' for v in values)})")
-    finally:
-        for w in workloads:
-            w.kill()
 
 
 if __name__ == "__main__":

@@ -157,7 +157,7 @@ impl<E: Entry> Table<E> {
         hash_of: impl Fn(E) -> u64,
     ) -> bool {
         debug_assert_ne!(entry, E::NONE);
-        if (self.len + 1) * MAX_LOAD.1 > self.buckets.len() * MAX_LOAD.0 {
+        if self.full() {
             self.grow(&hash_of);
         }
         match self.probe(hash, is) {
@@ -171,12 +171,21 @@ impl<E: Entry> Table<E> {
     }
 
     /// Puts `entry` (nonzero) in place of the one `is` accepts, or adds it as
-    /// [`Table::insert`] does.
+    /// [`Table::insert`] does: one probe, unless the table must grow first.
     pub fn put(&mut self, hash: u64, entry: E, is: impl Fn(E) -> bool, hash_of: impl Fn(E) -> u64) {
+        debug_assert_ne!(entry, E::NONE);
         if !self.buckets.is_empty() {
-            if let Ok(i) = self.probe(hash, &is) {
-                self.buckets[i] = entry;
-                return;
+            match self.probe(hash, &is) {
+                Ok(i) => {
+                    self.buckets[i] = entry;
+                    return;
+                }
+                Err(i) if !self.full() => {
+                    self.buckets[i] = entry;
+                    self.len += 1;
+                    return;
+                }
+                Err(_) => {}
             }
         }
         self.insert(hash, entry, is, hash_of);
@@ -257,6 +266,11 @@ impl<E: Entry> Table<E> {
         let cap = (self.len * SHRUNK_TO.1 / SHRUNK_TO.0 + 1).max(16);
         self.rebuild(cap, hash_of);
         self.buckets.shrink_to_fit();
+    }
+
+    /// Whether one more entry would take the table past its load.
+    fn full(&self) -> bool {
+        (self.len + 1) * MAX_LOAD.1 > self.buckets.len() * MAX_LOAD.0
     }
 
     fn grow(&mut self, hash_of: &impl Fn(E) -> u64) {
