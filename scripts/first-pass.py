@@ -5,7 +5,9 @@ Starts the four workloads of PROFILE once, then runs a fresh daemon of each buil
 over them for one pass, in turn, RUNS times, and prints each build's median CPU seconds:
 the daemon's own count to the end of its first pass (`first_pass_cpu_seconds` in its
 --json counters) where it has one, and every build's CPU from start to exit (getrusage of
-the child), which a build without that counter can be compared by. One pass marks nothing,
+the child), which a build without that counter can be compared by, with the page faults it
+took in its own memory from start to exit (each a page the kernel had to clear), which
+move far less than CPU time does. One pass marks nothing,
 so every run finds the workloads as the first did. This machine's speed moves by a fifth
 from minute to minute: compare builds of one run only. The builds take turns at going
 first, and an even RUNS gives each the same share of both places.
@@ -27,7 +29,8 @@ def main():
         sys.exit("usage: first-pass.py PROFILE RUNS RKSM [RKSM...]")
     profile, runs, builds = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
     with workloads.running(builds[0], profile) as pids:
-        seen = {b: {"first": [], "total": [], "pages": None} for b in builds}
+        seen = {b: {"first": [], "total": [], "faults": [], "pages": None}
+                for b in builds}
         for run in range(runs):
             # In turn first and last: whichever build ran first in a round paid less here
             # (8 to 9% at quarter-4g, either build), for reasons not known.
@@ -41,13 +44,15 @@ def main():
                 stats = json.loads(done.stdout)
                 seen[b]["total"].append(after.ru_utime - before.ru_utime
                                         + after.ru_stime - before.ru_stime)
+                seen[b]["faults"].append(after.ru_minflt - before.ru_minflt)
                 if stats.get("first_pass_cpu_seconds"):
                     seen[b]["first"].append(stats["first_pass_cpu_seconds"])
                 seen[b]["pages"] = stats.get("first_pass_pages")
         for b, s in seen.items():
             first = (f"{statistics.median(s['first']):.3f}" if s["first"] else "-")
             print(f"{b}: first pass {first} CPU s, start to exit "
-                  f"{statistics.median(s['total']):.3f} CPU s (medians of {runs}), "
+                  f"{statistics.median(s['total']):.3f} CPU s, "
+                  f"{statistics.median(s['faults']):.0f} page faults (medians of {runs}), "
                   f"{s['pages']} pages")
 
 

@@ -10,12 +10,14 @@
 //! target is dropped, all of it goes at once: nothing about a process outlives its record,
 //! and since the record holds a pidfd, nothing in it can ever describe a later process that
 //! reuses the pid.
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 use crate::{
     engine::{
         dirty::{protection::WriteProtect, DirtyState},
-        keys::{KeyMap, PageSet},
+        keys::PageSet,
         pages::{PageInfo, PageState},
     },
     kernel::{
@@ -84,8 +86,10 @@ pub struct Target {
     marked: RangeSet,
     /// Pages mapped to KSM frames at the last pass.
     merged: PageSet,
-    /// Verified duplicates not yet marked, with their checksum.
-    candidates: KeyMap<u64>,
+    /// Verified duplicates not yet marked, with their checksum, in address order: marking
+    /// takes them in that order, and a first pass finds hundreds of thousands at once, which
+    /// are built into the tree in one go rather than hashed one by one and sorted after.
+    candidates: BTreeMap<u64, u64>,
     /// Duplicates found when their page was first read, with their checksum: they become
     /// candidates at the next pass if they are still in the index with company then (that
     /// is, neither they nor their class were written: the checksum gate, kept by the dirty
@@ -110,7 +114,7 @@ impl Target {
             pages: PageState::default(),
             marked: RangeSet::default(),
             merged: PageSet::default(),
-            candidates: KeyMap::default(),
+            candidates: BTreeMap::new(),
             held: Vec::new(),
             finds: Finds::default(),
             counters: TargetCounters::default(),
@@ -215,7 +219,7 @@ impl Target {
     /// written or unmapped.
     pub fn take_up_candidates_found(&mut self) {
         let found = std::mem::take(&mut self.finds.candidates);
-        self.candidates.extend(found);
+        self.add_candidates(found);
     }
 
     /// The VMAs this pass scanned, and how many it has in all, if it was scanned.
@@ -313,7 +317,11 @@ impl Target {
     /// Verified duplicates found, with their checksums: candidates until they are marked,
     /// written or unmapped.
     pub fn add_candidates(&mut self, pages: impl IntoIterator<Item = (u64, u64)>) {
-        self.candidates.extend(pages);
+        if self.candidates.is_empty() {
+            self.candidates = pages.into_iter().collect();
+        } else {
+            self.candidates.extend(pages);
+        }
     }
 
     /// Whether it has candidates not yet marked.
@@ -325,25 +333,41 @@ impl Target {
     /// meanwhile, by it or by rksm, leave).
     pub fn unmarked_candidates(&mut self) -> Vec<(u64, u64)> {
         self.drop_marked_candidates();
-        let mut pages: Vec<(u64, u64)> = self.candidates.iter().map(|(&p, &s)| (p, s)).collect();
-        pages.sort_unstable();
-        pages
+        self.candidates.iter().map(|(&p, &s)| (p, s)).collect()
     }
 
-    /// After marking: the candidates now marked leave. A first pass's many are marked at
-    /// once, so their table is not kept at its size.
+    /// After marking: the candidates now marked leave.
     pub fn settle_candidates(&mut self) {
         self.drop_marked_candidates();
-        if self.candidates.capacity() > 4 * self.candidates.len() + 1024 {
-            self.candidates.shrink_to_fit();
-        }
     }
 
     /// Candidates that are marked now (by rksm, or by the process itself) are candidates no
     /// longer.
     fn drop_marked_candidates(&mut self) {
-        let marked = &self.marked;
-        self.candidates.retain(|&page, _| !marked.contains(page));
+        let in_marked = |r: &Range| self.candidates.range(r.start..r.end).count();
+        let leaving: usize = self.marked.as_slice().iter().map(in_marked).sum();
+        if leaving == self.candidates.len() {
+            self.candidates.clear();
+        } else if leaving > self.candidates.len() / 2 {
+            // Most leave (a first pass's many, marked at once): the tree is built anew from
+            // those left, in one go, rather than have them taken out one by one.
+            let marked = &self.marked;
+            self.candidates = std::mem::take(&mut self.candidates)
+                .into_iter()
+                .filter(|&(page, _)| !marked.contains(page))
+                .collect();
+        } else if leaving > 0 {
+            for r in self.marked.as_slice() {
+                let gone: Vec<u64> = self
+                    .candidates
+                    .range(r.start..r.end)
+                    .map(|(&p, _)| p)
+                    .collect();
+                for page in gone {
+                    self.candidates.remove(&page);
+                }
+            }
+        }
     }
 
     /// Its counters after a pass in which `volatile` of its pages changed, `hashed` were read
@@ -378,5 +402,83 @@ impl Target {
     /// The tracer counted `faults` write faults in it.
     pub fn count_write_faults(&mut self, faults: u64) {
         self.counters.write_faults = faults;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const PAGE: u64 = 4096;
+
+    /// A sleeping child, killed when dropped.
+    struct Sleeper(std::process::Child);
+
+    impl Drop for Sleeper {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    /// A target (a sleeping child) with candidates at pages `pages` of an arena.
+    fn with_candidates(pages: impl IntoIterator<Item = u64>) -> (Sleeper, Target) {
+        let child = Sleeper(
+            std::process::Command::new("sleep")
+                .arg("60")
+                .spawn()
+                .expect("sleep"),
+        );
+        let process = Process::open(child.0.id()).expect("the child");
+        let mut target = Target::adopt(process, 0, "test".into());
+        target.add_candidates(pages.into_iter().map(|i| (i * PAGE, i + 100)));
+        (child, target)
+    }
+
+    fn run(first: u64, end: u64) -> Range {
+        Range::new(first * PAGE, end * PAGE)
+    }
+
+    fn listed(target: &mut Target) -> Vec<u64> {
+        target
+            .unmarked_candidates()
+            .into_iter()
+            .map(|(addr, checksum)| {
+                assert_eq!(
+                    checksum,
+                    addr / PAGE + 100,
+                    "a candidate keeps its checksum"
+                );
+                addr / PAGE
+            })
+            .collect()
+    }
+
+    #[test]
+    fn candidates_are_listed_in_address_order_and_leave_once_marked() {
+        // Found out of order, some twice (a page and the copy it was paired with).
+        let (_child, mut target) = with_candidates([9, 3, 7, 3, 1, 9, 5]);
+        assert_eq!(listed(&mut target), [1, 3, 5, 7, 9]);
+        // A few leave: taken out one by one.
+        target.note_marked(&[run(3, 4)]);
+        assert_eq!(listed(&mut target), [1, 5, 7, 9]);
+        // Most leave: the rest are kept.
+        target.note_marked(&[run(5, 10)]);
+        assert_eq!(listed(&mut target), [1]);
+        target.add_candidates([(20 * PAGE, 120), (2 * PAGE, 102)]);
+        assert_eq!(listed(&mut target), [1, 2, 20]);
+        // All leave.
+        target.note_marked(&[run(0, 30)]);
+        target.settle_candidates();
+        assert!(!target.has_candidates());
+        assert!(listed(&mut target).is_empty());
+    }
+
+    #[test]
+    fn a_page_written_or_gone_is_a_candidate_no_longer() {
+        let (_child, mut target) = with_candidates(0..6);
+        target.page_changed(2 * PAGE);
+        target.page_gone(4 * PAGE);
+        assert_eq!(listed(&mut target), [0, 1, 3, 5]);
     }
 }

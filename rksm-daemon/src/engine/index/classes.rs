@@ -3,8 +3,10 @@
 //! Once duplicates abound, classes are most of what rksm holds: one per duplicated content,
 //! for as long as its copies stay merged. So a class is laid out for its usual size, a few
 //! pages: up to four sit in the class itself, twelve bytes a page, and a class moves its pages
-//! to a list, then a set, only as it grows. Classes live in one vector of slots rather than
-//! one allocation each, a class keeping its checksum, and the table that finds them holds a
+//! to a list, then a set, only as it grows. Classes live in chunks of slots rather than one
+//! allocation each, a class keeping its checksum (chunks of a fixed size, so that a first pass
+//! that makes hundreds of thousands of classes never copies them into a vector twice the size,
+//! nor holds both while it does), and the table that finds them holds a
 //! slot and half its checksum's hash ([`Table`], eight bytes an entry): one entry per class,
 //! several for a checksum that several contents have (a collision, rare). A class that goes
 //! leaves its slot to the next one made. Contents held by one page, by far the most when new
@@ -235,12 +237,44 @@ impl Single {
     }
 }
 
+/// Slots of classes, in chunks of [`CHUNK`].
+#[derive(Debug, Default)]
+struct Slots {
+    chunks: Vec<Vec<Class>>,
+}
+
+/// Slots a chunk holds: 288 KiB of classes.
+const CHUNK: usize = 4096;
+
+impl Slots {
+    fn get(&self, at: u32) -> &Class {
+        let at = at as usize;
+        &self.chunks[at / CHUNK][at % CHUNK]
+    }
+
+    fn get_mut(&mut self, at: u32) -> &mut Class {
+        let at = at as usize;
+        &mut self.chunks[at / CHUNK][at % CHUNK]
+    }
+
+    /// Puts `class` in a new slot; returns it.
+    fn push(&mut self, class: Class) -> u32 {
+        if self.chunks.last().is_none_or(|c| c.len() == CHUNK) {
+            self.chunks.push(Vec::with_capacity(CHUNK));
+        }
+        let full = (self.chunks.len() - 1) * CHUNK;
+        let last = self.chunks.last_mut().expect("a chunk with room");
+        last.push(class);
+        (full + last.len() - 1) as u32
+    }
+}
+
 /// Classes by checksum.
 #[derive(Debug, Default)]
 pub(super) struct Classes {
     /// Every class's entry: the high half of its checksum's hash, and its slot + 1.
     table: Table<u64>,
-    slots: Vec<Class>,
+    slots: Slots,
     /// Slots no class holds.
     free: Vec<u32>,
 }
@@ -280,9 +314,15 @@ impl Classes {
         let hash = mix(checksum);
         self.table
             .matching(hash, move |e| {
-                hash_of(e) == hash & HASH_HALF && self.slots[slot(e)].checksum == checksum
+                hash_of(e) == hash & HASH_HALF
+                    && self.slots.get(slot(e) as u32).checksum == checksum
             })
             .map(|e| slot(e) as u32)
+    }
+
+    /// Fetches where the classes with `checksum` are listed, ahead of a lookup of it.
+    pub(super) fn prefetch(&self, checksum: u64) {
+        self.table.prefetch(mix(checksum));
     }
 
     /// The slot of the `rank`th class with `checksum`.
@@ -292,12 +332,12 @@ impl Classes {
 
     /// The class in `at`.
     pub(super) fn get(&self, at: u32) -> &Class {
-        &self.slots[at as usize]
+        self.slots.get(at)
     }
 
     /// The class in `at`, to change.
     pub(super) fn get_mut(&mut self, at: u32) -> &mut Class {
-        &mut self.slots[at as usize]
+        self.slots.get_mut(at)
     }
 
     /// Adds `class` with `checksum`; returns its slot.
@@ -305,13 +345,10 @@ impl Classes {
         class.checksum = checksum;
         let at = match self.free.pop() {
             Some(at) => {
-                self.slots[at as usize] = class;
+                *self.slots.get_mut(at) = class;
                 at
             }
-            None => {
-                self.slots.push(class);
-                (self.slots.len() - 1) as u32
-            }
+            None => self.slots.push(class),
         };
         let hash = mix(checksum);
         self.table.insert(hash, entry(hash, at), |_| false, hash_of);
@@ -325,13 +362,13 @@ impl Classes {
         debug_assert!(taken.is_some(), "slot {at} holds no class of {checksum:#x}");
         self.free.push(at);
         // A free slot holds no pages (a large class's set would stay allocated).
-        std::mem::replace(&mut self.slots[at as usize], Class::vacant())
+        std::mem::replace(self.slots.get_mut(at), Class::vacant())
     }
 
     /// Every class, with its checksum.
     pub(super) fn iter(&self) -> impl Iterator<Item = (u64, &Class)> + '_ {
         self.table.iter().map(move |e| {
-            let class = &self.slots[slot(e)];
+            let class = self.slots.get(slot(e) as u32);
             (class.checksum, class)
         })
     }
@@ -377,6 +414,29 @@ mod tests {
             small.iter().collect::<Vec<_>>(),
             [page(2, 1), page(2, 2), page(2, 3)]
         );
+    }
+
+    #[test]
+    fn classes_past_a_chunk_keep_their_slots() {
+        let mut classes = Classes::default();
+        let n = CHUNK as u64 * 2 + 3;
+        let at: Vec<u32> = (0..n)
+            .map(|i| classes.add(i, Single::new(page(1, i), false, false).class()))
+            .collect();
+        assert_eq!(at, (0..n as u32).collect::<Vec<_>>());
+        for i in [0, CHUNK as u64 - 1, CHUNK as u64, n - 1] {
+            let slot = classes.slots(i).next().expect("found by its checksum");
+            assert_eq!(classes.get(slot).members.rep(), Some(page(1, i)));
+        }
+        assert_eq!(
+            classes.take(CHUNK as u64, CHUNK as u32).members.rep(),
+            Some(page(1, CHUNK as u64))
+        );
+        assert_eq!(
+            classes.add(n, Single::new(page(2, 0), false, false).class()),
+            CHUNK as u32
+        );
+        assert_eq!(classes.iter().count(), n as usize);
     }
 
     #[test]

@@ -540,6 +540,12 @@ impl Index {
         }
     }
 
+    /// Fetches where [`Index::company`] looks `checksum` up first: lookups of unrelated
+    /// checksums in a row each wait for memory otherwise.
+    pub fn prefetch_company(&self, checksum: u64) {
+        self.classes.prefetch(checksum);
+    }
+
     /// Whether a page with `checksum` will be compared with a page of the index.
     pub fn holds(&self, checksum: u64) -> bool {
         self.singles.contains_key(&checksum) || self.classes.holds(checksum)

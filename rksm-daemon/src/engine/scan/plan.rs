@@ -14,6 +14,7 @@ use crate::{
         dirty::{DirtySet, Lent},
         index::{Index, PageRef},
         pages::PageInfo,
+        samples,
         target::Target,
     },
     kernel::{
@@ -123,7 +124,10 @@ impl Scanner {
         };
         let pid = target.pid();
         let mut released = 0;
-        for (addr, checksum) in held {
+        for (i, &(addr, checksum)) in held.iter().enumerate() {
+            if let Some(&(_, ahead)) = held.get(i + samples::AHEAD) {
+                index.prefetch_company(ahead);
+            }
             let page = PageRef { pid, addr };
             if let Some(other) = index.company(page, checksum) {
                 released += 1;

@@ -220,6 +220,7 @@ pub fn thp_enabled() -> bool {
 
 /// One 64-bit entry of /proc/PID/pagemap (Documentation/admin-guide/mm/pagemap.rst).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(transparent)]
 pub struct PagemapEntry(pub u64);
 
 impl PagemapEntry {
@@ -303,7 +304,12 @@ impl Pagemap {
     /// Fills `entries` with the entries of the pages starting at `start`; returns how many
     /// were read (fewer near the end of the address space).
     pub fn read(&self, start: u64, entries: &mut [PagemapEntry]) -> Result<usize, ProcfsError> {
-        let mut bytes = vec![0u8; entries.len() * 8];
+        let len = std::mem::size_of_val(entries);
+        // SAFETY: the view covers exactly the entries' memory, borrowed mutably for as long as
+        // it lives, and an entry is a transparent u64 in the kernel's byte order, which any
+        // bytes are.
+        let bytes =
+            unsafe { std::slice::from_raw_parts_mut(entries.as_mut_ptr().cast::<u8>(), len) };
         let offset = start / PAGE_SIZE * 8;
         let mut filled = 0;
         while filled < bytes.len() {
@@ -317,11 +323,7 @@ impl Pagemap {
                 Err(e) => return Err(io_error(self.pid, self.path.clone(), e)),
             }
         }
-        let n = filled / 8;
-        for (entry, raw) in entries.iter_mut().zip(bytes.chunks_exact(8)).take(n) {
-            *entry = PagemapEntry(u64::from_ne_bytes(raw.try_into().expect("8 bytes")));
-        }
-        Ok(n)
+        Ok(filled / 8)
     }
 }
 
