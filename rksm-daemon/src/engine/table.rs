@@ -261,11 +261,62 @@ impl<E: Entry> Table<E> {
         }
     }
 
-    /// Rebuilds the table at [`SHRUNK_TO`] of its entries and hands the rest back.
+    /// Rebuilds the table at [`SHRUNK_TO`] of its entries in the buckets it has, and hands
+    /// the rest back: no new table to clear and fill while the old one is still held.
+    ///
+    /// An entry's home is its hash's high bits scaled to the bucket count, so homes keep
+    /// their order whatever the count. Past the run at the start (which may hold entries that
+    /// wrapped around the end: they are set aside), every entry lies at or after its home,
+    /// and a run of entries sorted by hash lies so too; so taken run by run, sorted, and each
+    /// put at its home in the smaller table or just after the entry put before it, the
+    /// entries only ever move towards the start, onto buckets already emptied, and each is
+    /// found from its home without an empty bucket on the way. What would land past the end
+    /// joins those set aside, which are then put in as any entry is.
     fn rebuild_smaller(&mut self, hash_of: &impl Fn(E) -> u64) {
         let cap = (self.len * SHRUNK_TO.1 / SHRUNK_TO.0 + 1).max(16);
-        self.rebuild(cap, hash_of);
+        let old = self.buckets.len();
+        if cap >= old {
+            return;
+        }
+        let key = |e: E| hash_of(e) >> 32;
+        let home = |key: u64| ((key * cap as u64) >> 32) as usize;
+        let mut aside = Vec::new();
+        let mut i = 0;
+        while i < old && self.buckets[i] != E::NONE {
+            aside.push(std::mem::replace(&mut self.buckets[i], E::NONE));
+            i += 1;
+        }
+        let mut run: Vec<(u64, E)> = Vec::new();
+        let mut free = 0;
+        while i < old {
+            if self.buckets[i] == E::NONE {
+                i += 1;
+                continue;
+            }
+            run.clear();
+            while i < old && self.buckets[i] != E::NONE {
+                let entry = std::mem::replace(&mut self.buckets[i], E::NONE);
+                run.push((key(entry), entry));
+                i += 1;
+            }
+            run.sort_unstable_by_key(|&(key, _)| key);
+            for &(key, entry) in &run {
+                let at = home(key).max(free);
+                if at < cap {
+                    self.buckets[at] = entry;
+                    free = at + 1;
+                } else {
+                    aside.push(entry);
+                }
+            }
+        }
+        self.buckets.truncate(cap);
         self.buckets.shrink_to_fit();
+        for entry in aside {
+            if let Err(at) = self.probe(hash_of(entry), |_| false) {
+                self.buckets[at] = entry;
+            }
+        }
     }
 
     /// Whether one more entry would take the table past its load.
@@ -552,6 +603,51 @@ mod tests {
         assert!(set.contains(0) && set.len() == 1);
         assert!(set.remove(0) && !set.remove(0));
         assert!(set.is_empty());
+    }
+
+    #[test]
+    fn a_table_rebuilt_smaller_in_place_keeps_every_entry_findable() {
+        // Hashes spread at random, and, for one entry in 32, hashes crowded at the very end
+        // of the table: their run wraps around to its start, and, rebuilt smaller, would
+        // land past its end.
+        let crowded = |e: u64| e & 0x1f == 1;
+        let hash_of = |e: u64| match crowded(e) {
+            true => (u64::MAX - (e & 0xffff) * 0x1_0000_0000) ^ (e >> 16),
+            false => mix(e),
+        };
+        for seed in 1..4 {
+            let mut table = Table::<u64>::default();
+            let all: Vec<u64> = values(seed, 20_000, u32::MAX)
+                .into_iter()
+                .enumerate()
+                .map(|(i, v)| ((u64::from(v) << 16) | (i as u64 & 0xffff)) | 1)
+                .collect();
+            table.reserve(all.len(), hash_of);
+            for &e in &all {
+                table.insert(hash_of(e), e, |x| x == e, hash_of);
+            }
+            let last = table.buckets.len() - 1;
+            assert!(
+                crowded(table.buckets[0]) && crowded(table.buckets[last]),
+                "the crowded run wraps around"
+            );
+            let (stay, go) = all.split_at(all.len() / 4);
+            for &e in go {
+                table.remove(hash_of(e), |x| x == e, hash_of);
+            }
+            let before = table.buckets.len();
+            table.shrink(hash_of);
+            assert!(table.buckets.len() < before / 2, "not rebuilt smaller");
+            let stay: HashSet<u64> = stay.iter().copied().collect();
+            assert_eq!(table.len(), stay.len());
+            assert_eq!(table.iter().collect::<HashSet<_>>(), stay);
+            for &e in &stay {
+                assert_eq!(table.get(hash_of(e), |x| x == e), Some(e), "{e:#x} lost");
+            }
+            for &e in go {
+                assert_eq!(table.get(hash_of(e), |x| x == e), None, "{e:#x} kept");
+            }
+        }
     }
 
     #[test]
