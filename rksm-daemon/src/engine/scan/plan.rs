@@ -14,7 +14,6 @@ use crate::{
         dirty::{DirtySet, Lent},
         index::{Index, PageRef},
         pages::PageInfo,
-        samples,
         target::Target,
     },
     kernel::{
@@ -23,6 +22,11 @@ use crate::{
         reader::ProcMem,
     },
 };
+
+/// How many held duplicates ahead of its lookup a duplicate's place in the index is fetched:
+/// the held of a first pass are hundreds of thousands of unrelated checksums, each of which
+/// would otherwise wait for memory in turn.
+const COMPANY_AHEAD: usize = 16;
 
 impl Scanner {
     /// Asks the dirty source what changed in `target`, decides what to look at, and takes
@@ -125,7 +129,7 @@ impl Scanner {
         let pid = target.pid();
         let mut released = 0;
         for (i, &(addr, checksum)) in held.iter().enumerate() {
-            if let Some(&(_, ahead)) = held.get(i + samples::AHEAD) {
+            if let Some(&(_, ahead)) = held.get(i + COMPANY_AHEAD) {
                 index.prefetch_company(ahead);
             }
             let page = PageRef { pid, addr };
