@@ -344,28 +344,30 @@ impl Target {
     /// Candidates that are marked now (by rksm, or by the process itself) are candidates no
     /// longer.
     fn drop_marked_candidates(&mut self) {
-        let in_marked = |r: &Range| self.candidates.range(r.start..r.end).count();
-        let leaving: usize = self.marked.as_slice().iter().map(in_marked).sum();
-        if leaving == self.candidates.len() {
+        let marked = &self.marked;
+        let runs = marked.as_slice();
+        // Those in marked runs, in address order, found from the smaller side: a few
+        // candidates among many runs (a steady pass), or many candidates in a few runs.
+        let leaving: Vec<u64> = if self.candidates.len() <= runs.len() {
+            let candidates = self.candidates.keys().copied();
+            candidates.filter(|&page| marked.contains(page)).collect()
+        } else {
+            let in_run = |r: &Range| self.candidates.range(r.start..r.end).map(|(&p, _)| p);
+            runs.iter().flat_map(in_run).collect()
+        };
+        if leaving.len() == self.candidates.len() {
             self.candidates.clear();
-        } else if leaving > self.candidates.len() / 2 {
+        } else if leaving.len() > self.candidates.len() / 2 {
             // Most leave (a first pass's many, marked at once): the tree is built anew from
             // those left, in one go, rather than have them taken out one by one.
-            let marked = &self.marked;
+            let mut leaving = leaving.into_iter().peekable();
             self.candidates = std::mem::take(&mut self.candidates)
                 .into_iter()
-                .filter(|&(page, _)| !marked.contains(page))
+                .filter(|&(page, _)| leaving.next_if_eq(&page).is_none())
                 .collect();
-        } else if leaving > 0 {
-            for r in self.marked.as_slice() {
-                let gone: Vec<u64> = self
-                    .candidates
-                    .range(r.start..r.end)
-                    .map(|(&p, _)| p)
-                    .collect();
-                for page in gone {
-                    self.candidates.remove(&page);
-                }
+        } else {
+            for page in leaving {
+                self.candidates.remove(&page);
             }
         }
     }
@@ -472,6 +474,23 @@ mod tests {
         target.settle_candidates();
         assert!(!target.has_candidates());
         assert!(listed(&mut target).is_empty());
+    }
+
+    #[test]
+    fn a_few_candidates_among_many_marked_runs_leave_as_many_do() {
+        let (_child, mut target) = with_candidates([101, 205, 300, 402]);
+        // Forty runs of one page, every tenth page: more runs than candidates.
+        let runs: Vec<Range> = (0..40).map(|i| run(i * 10 + 1, i * 10 + 2)).collect();
+        target.note_marked(&runs);
+        assert_eq!(
+            listed(&mut target),
+            [205, 300, 402],
+            "only 101 was in a run"
+        );
+        target.note_marked(&[run(300, 301), run(402, 403)]);
+        assert_eq!(listed(&mut target), [205]);
+        target.note_marked(&[run(205, 206)]);
+        assert_eq!(listed(&mut target), Vec::<u64>::new());
     }
 
     #[test]
