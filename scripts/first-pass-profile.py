@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 
+import perfdata
 import workloads
 
 # Phases, by a frame anywhere in the chain.
@@ -48,18 +49,6 @@ MECHANISMS = [
 ]
 
 
-def chains(data):
-    """(period, [frames, innermost first]) of every sample in perf data `data`."""
-    out = subprocess.run(["perf", "script", "-i", data, "-F", "period,ip,sym"],
-                         capture_output=True, text=True, check=True).stdout
-    for block in out.split("\n\n"):
-        lines = [l.strip() for l in block.strip().splitlines()]
-        if not lines or not lines[0].isdigit():
-            continue
-        frames = [l.split(None, 1)[1] if " " in l else l for l in lines[1:]]
-        yield int(lines[0]), frames
-
-
 def first_match(frames, rules):
     for frame in frames:
         for name, needles in rules:
@@ -84,7 +73,7 @@ def main():
         stats = json.loads(done.stdout)
         phases = collections.Counter()
         mechanisms = collections.Counter()
-        for period, frames in chains(data):
+        for _, period, frames in perfdata.samples(data):
             phase = first_match(reversed(frames), PHASES) or "process start and end"
             phases[phase] += period
             if phase == "pass":

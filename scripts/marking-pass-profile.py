@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 
+import perfdata
 import workloads
 
 # Parts of the marking pass, by the outermost frame below the pass that names one.
@@ -32,21 +33,6 @@ PARTS = [
     ("what the dirty source says", ["Scanner>::plan"]),
     ("pages read", ["Scanner>::read_side_by_side"]),
 ]
-
-
-def samples(data):
-    """(time, period, [frames, innermost first]) of every sample in perf data `data`."""
-    out = subprocess.run(["perf", "script", "-i", data, "-F", "time,period,ip,sym"],
-                         capture_output=True, text=True, check=True).stdout
-    for block in out.split("\n\n"):
-        lines = [l.strip() for l in block.strip().splitlines()]
-        if not lines:
-            continue
-        head = lines[0].split()
-        if len(head) < 2:
-            continue
-        frames = [l.split(None, 1)[1] if " " in l else l for l in lines[1:]]
-        yield float(head[0].rstrip(":")), int(head[1]), frames
 
 
 def part_of(frames):
@@ -64,7 +50,7 @@ def profile_one(rksm, pids, tmp):
          "--", rksm, "--no-config", "daemon", *pids, "--dirty", "ebpf", "--interval", "1",
          "--passes", "2", "--json"],
         capture_output=True, text=True, check=True)
-    in_pass = [(t, p, f) for t, p, f in samples(data)
+    in_pass = [(t, p, f) for t, p, f in perfdata.samples(data)
                if any("rksm::daemon::Daemon::pass" in x for x in f)]
     if not in_pass:
         sys.exit(f"{rksm}: no samples in a pass")

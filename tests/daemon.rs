@@ -512,6 +512,7 @@ fn copies_laid_out_differently_in_each_process_still_take_their_twins_checksum()
     for block in 0..COPIES / BLOCK {
         let at = 2 * block * BLOCK;
         assert!(spread.verify_unique(spread_region, at, BLOCK, 31 + block * BLOCK));
+        assert!(spread.verify_unique(spread_region, at + BLOCK, BLOCK, 1_000_000 + block * BLOCK));
     }
 }
 

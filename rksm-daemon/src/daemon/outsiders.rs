@@ -178,6 +178,7 @@ impl OutsiderLooks {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernel::process::Sleeper;
 
     /// A `sleep` started under `PR_SET_MEMORY_MERGE`: mergeable from birth without a call of
     /// its own that the mark watch could see, as a child of such a process is.
@@ -203,8 +204,9 @@ mod tests {
         }
         // A process of this test's own, not mergeable, alive through every look: other
         // tests start and end processes meanwhile, so only what is read of it is counted.
-        let quiet = Quiet::spawn();
-        let pid = quiet.child.id();
+        // A `sleep`, whose memory is not mergeable.
+        let quiet = Sleeper::spawn();
+        let pid = quiet.pid();
         let mut looks = OutsiderLooks::default();
         let none = HashSet::new();
         let domains = domains_but_mine();
@@ -262,28 +264,6 @@ mod tests {
         // Still listed at the next look, without the mark watch naming it.
         let found = looks.look(DomainPolicy::Uid, &none, &domains, Some(&none));
         assert!(found.iter().any(|o| o.pid == marker.child.id()));
-    }
-
-    /// A `sleep` whose memory is not mergeable.
-    struct Quiet {
-        child: std::process::Child,
-    }
-
-    impl Quiet {
-        fn spawn() -> Quiet {
-            let child = std::process::Command::new("sleep")
-                .arg("30")
-                .spawn()
-                .expect("sleep");
-            Quiet { child }
-        }
-    }
-
-    impl Drop for Quiet {
-        fn drop(&mut self) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
     }
 
     impl Marker {

@@ -410,28 +410,14 @@ impl Target {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernel::process::Sleeper;
 
     const PAGE: u64 = 4096;
 
-    /// A sleeping child, killed when dropped.
-    struct Sleeper(std::process::Child);
-
-    impl Drop for Sleeper {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-
     /// A target (a sleeping child) with candidates at pages `pages` of an arena.
     fn with_candidates(pages: impl IntoIterator<Item = u64>) -> (Sleeper, Target) {
-        let child = Sleeper(
-            std::process::Command::new("sleep")
-                .arg("60")
-                .spawn()
-                .expect("sleep"),
-        );
-        let process = Process::open(child.0.id()).expect("the child");
+        let child = Sleeper::spawn();
+        let process = Process::open(child.pid()).expect("the child");
         let mut target = Target::adopt(process, 0, "test".into());
         target.add_candidates(pages.into_iter().map(|i| (i * PAGE, i + 100)));
         (child, target)

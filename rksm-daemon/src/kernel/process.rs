@@ -442,6 +442,34 @@ fn is_dumpable(pid: u32, uid: u32) -> bool {
     }
 }
 
+/// A `sleep` child for tests, killed and reaped when dropped (a test that fails leaves no
+/// process behind).
+#[cfg(test)]
+pub(crate) struct Sleeper(std::process::Child);
+
+#[cfg(test)]
+impl Sleeper {
+    pub(crate) fn spawn() -> Sleeper {
+        let child = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .expect("sleep");
+        Sleeper(child)
+    }
+
+    pub(crate) fn pid(&self) -> u32 {
+        self.0.id()
+    }
+}
+
+#[cfg(test)]
+impl Drop for Sleeper {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
