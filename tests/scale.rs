@@ -211,10 +211,12 @@ fn the_status_server_pauses_while_it_cannot_accept_and_answers_after() {
     let children = named_twins(4, "rksm-nofiles", 95);
     let daemon = daemon_over("rksm-nofiles", 1024, None);
     let socket = "/run/rksm-test-rksm-nofiles.sock";
+    // This daemon's own answer, not the file alone: a socket left behind by a daemon that
+    // was killed is in place until this one replaces it.
     assert!(
-        wait_for(Duration::from_secs(30), || std::path::Path::new(socket)
-            .exists()),
-        "no status socket"
+        wait_for(Duration::from_secs(30), || status_of(socket)
+            .is_some_and(|s| s["daemon_pid"] == daemon.id())),
+        "no status from this daemon on {socket}"
     );
     // No file can be opened, whatever it closes: a new fd is the lowest free number, and
     // none is below 3. The next accept fails with EMFILE.

@@ -5,9 +5,11 @@
 //! them in the target's [`pages`] and places them in the [`index`] (both kept from pass to
 //! pass), and [`merge`] turns verified duplicates into marked ranges.
 //! Address ranges come from [`crate::kernel::ranges`]; maps keyed by checksums and page
-//! addresses hash with [`keys`]; the tables with an entry for most pages are [`table`]s.
+//! addresses hash with [`keys`]; the tables with an entry for most pages are [`table`]s, and the digests of
+//! pages only sampled are in a [`digests`] set.
 
 pub mod checksum;
+pub mod digests;
 pub mod dirty;
 pub mod heap;
 pub mod index;

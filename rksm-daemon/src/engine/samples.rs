@@ -2,8 +2,9 @@
 //! merge domain shares.
 //!
 //! Per digest it counts the pages read whole that have it and the pages only sampled that
-//! have it. Most digests are one page's, only sampled: those are one `u32` in a set (4 bytes a
-//! digest in the table), and only the others carry their counts. A new page whose digest is
+//! have it. Most digests are one page's, only sampled: those are in a set of digests alone
+//! ([`DigestSet`], about 2.7 bytes a digest once it is large), and only the others carry
+//! their counts. A new page whose digest is
 //! not kept is only sampled: never copied, never checksummed, never in the
 //! [`Index`](super::index::Index). One whose digest is kept is read whole, and so are the
 //! pages only sampled there: the index says only that there are some, and the scanner finds
@@ -13,11 +14,7 @@
 
 use std::{collections::HashSet, hash::BuildHasherDefault};
 
-use super::{
-    keys::KeyHasher,
-    pages::DigestChange,
-    table::{CountMap, DigestSet},
-};
+use super::{digests::DigestSet, keys::KeyHasher, pages::DigestChange, table::CountMap};
 
 /// How many digests ahead of its lookup a digest's places are fetched
 /// ([`SampleIndex::prefetch`]), where the digests of a batch, unrelated to each other, are

@@ -1,6 +1,6 @@
 //! Hash tables of small entries, for the tables rksm keeps an entry in for most pages it
-//! holds: the digests of pages only sampled (and the counts of those some other page has),
-//! and the index's classes.
+//! holds: the counts of the digests that more than one page has, and the index's classes
+//! (the digests of pages only sampled are kept tighter still, in `engine::digests`).
 //!
 //! rksm's memory grows with the memory it watches, and these tables are much of it. The
 //! standard table spends a control byte per bucket besides the entry, and its bucket count
@@ -33,7 +33,7 @@ pub fn mix(key: u64) -> u64 {
 
 /// A hint to fetch the cache line at `p`; it reads nothing and cannot fault.
 #[inline(always)]
-fn prefetch(p: *const i8) {
+pub(super) fn prefetch(p: *const i8) {
     // SAFETY: SSE, which the prefetch instruction needs, is part of every x86_64 CPU; a
     // prefetch does not dereference its address, so any value of `p` is sound.
     #[cfg(target_arch = "x86_64")]
@@ -340,72 +340,8 @@ impl<E: Entry> Table<E> {
     }
 }
 
-/// A set of `u32` digests in about five bytes each.
-#[derive(Debug, Default, Clone)]
-pub struct DigestSet {
-    table: Table<u32>,
-    /// Whether 0, which marks an empty bucket, is in the set.
-    zero: bool,
-}
-
 fn hash_digest(digest: u32) -> u64 {
     mix(u64::from(digest))
-}
-
-impl DigestSet {
-    /// Adds `digest`; true if it was not in the set.
-    pub fn insert(&mut self, digest: u32) -> bool {
-        if digest == 0 {
-            return !std::mem::replace(&mut self.zero, true);
-        }
-        self.table
-            .insert(hash_digest(digest), digest, |e| e == digest, hash_digest)
-    }
-
-    /// Makes room for `additional` more digests at once.
-    pub fn reserve(&mut self, additional: usize) {
-        self.table.reserve(additional, hash_digest);
-    }
-
-    /// Gives back the room of digests that left (see [`Table::shrink`]).
-    pub fn shrink(&mut self) {
-        self.table.shrink(hash_digest);
-    }
-
-    /// Fetches where `digest` would be, ahead of an [`DigestSet::insert`] of it.
-    pub fn prefetch(&self, digest: u32) {
-        self.table.prefetch(hash_digest(digest));
-    }
-
-    /// Takes `digest` out; true if it was in the set.
-    pub fn remove(&mut self, digest: u32) -> bool {
-        if digest == 0 {
-            return std::mem::replace(&mut self.zero, false);
-        }
-        self.table
-            .remove(hash_digest(digest), |e| e == digest, hash_digest)
-            .is_some()
-    }
-
-    /// Whether `digest` is in the set.
-    pub fn contains(&self, digest: u32) -> bool {
-        if digest == 0 {
-            return self.zero;
-        }
-        self.table
-            .get(hash_digest(digest), |e| e == digest)
-            .is_some()
-    }
-
-    /// Digests in the set.
-    pub fn len(&self) -> usize {
-        self.table.len() + usize::from(self.zero)
-    }
-
-    /// Whether the set is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }
 
 /// A map of `u32` keys to nonzero `u32` values, the key and its value in one `u64` bucket.
@@ -498,61 +434,6 @@ mod tests {
     }
 
     #[test]
-    fn room_made_at_once_is_enough_for_what_was_announced_and_keeps_what_was_held() {
-        let mut set = DigestSet::default();
-        let held = values(1, 1_000, u32::MAX);
-        for &d in &held {
-            set.insert(d);
-        }
-        let coming = values(2, 100_000, u32::MAX);
-        set.reserve(coming.len());
-        let buckets = set.table.buckets.len();
-        for &d in &coming {
-            set.insert(d);
-        }
-        assert_eq!(
-            set.table.buckets.len(),
-            buckets,
-            "no growth after the room made"
-        );
-        assert!(held.iter().chain(&coming).all(|&d| set.contains(d)));
-        // Room for what is announced, no more than the load allows.
-        let len = set.len();
-        assert!(
-            buckets * MAX_LOAD.0 >= len * MAX_LOAD.1,
-            "{buckets} buckets for {len}"
-        );
-        assert!(
-            buckets <= (len + 1_000) * MAX_LOAD.1 / MAX_LOAD.0 + 2,
-            "{buckets} for {len}"
-        );
-    }
-
-    #[test]
-    fn a_digest_set_agrees_with_the_standard_set_through_inserts_and_removals() {
-        // A small range makes collisions, long probes and removals inside runs common.
-        for range in [50, 5_000, u32::MAX] {
-            let mut mine = DigestSet::default();
-            let mut theirs = HashSet::new();
-            let ops = values(range as u64, 40_000, range);
-            for (i, &d) in ops.iter().enumerate() {
-                if i % 3 == 2 {
-                    assert_eq!(mine.remove(d), theirs.remove(&d), "remove {d}");
-                } else {
-                    assert_eq!(mine.insert(d), theirs.insert(d), "insert {d}");
-                }
-                assert_eq!(mine.len(), theirs.len());
-            }
-            for d in values(7, 2_000, range) {
-                assert_eq!(mine.contains(d), theirs.contains(&d), "contains {d}");
-            }
-            for &d in &theirs {
-                assert!(mine.contains(d));
-            }
-        }
-    }
-
-    #[test]
     fn a_count_map_agrees_with_the_standard_map_and_gives_room_back_once_mostly_empty() {
         for range in [50, 5_000, u32::MAX] {
             let mut mine = CountMap::default();
@@ -593,16 +474,6 @@ mod tests {
         assert!(after * 4 < grown, "{grown} buckets, then {after}");
         assert!(stay.iter().all(|&k| map.get(k) == Some(k | 1)));
         assert!(go.iter().all(|&k| map.get(k).is_none()));
-    }
-
-    #[test]
-    fn zero_is_a_digest_like_any_other() {
-        let mut set = DigestSet::default();
-        assert!(!set.contains(0));
-        assert!(set.insert(0) && !set.insert(0));
-        assert!(set.contains(0) && set.len() == 1);
-        assert!(set.remove(0) && !set.remove(0));
-        assert!(set.is_empty());
     }
 
     #[test]
@@ -651,56 +522,13 @@ mod tests {
     }
 
     #[test]
-    fn room_left_by_digests_that_went_is_given_back_and_what_stays_is_kept() {
-        let mut set = DigestSet::default();
-        let all = values(3, 100_000, u32::MAX);
-        set.reserve(all.len());
-        for &d in &all {
-            set.insert(d);
-        }
-        let (stay, go) = all.split_at(30_000);
-        for &d in go {
-            set.remove(d);
-        }
-        let before = set.table.buckets.len();
-        set.shrink();
-        let after = set.table.buckets.len();
-        assert!(after < before / 2, "{before} buckets, then {after}");
-        // At the load it leaves: above what a growth leaves, below the most allowed.
-        let len = set.len();
-        assert!(
-            after * MAX_LOAD.0 >= len * MAX_LOAD.1 && after * 2 <= len * 3,
-            "{after} buckets for {len}"
-        );
-        let (stay, go): (HashSet<u32>, HashSet<u32>) =
-            (stay.iter().copied().collect(), go.iter().copied().collect());
-        assert!(stay.difference(&go).all(|&d| set.contains(d)));
-        assert!(go.iter().all(|&d| !set.contains(d)));
-        // A table at its load is left as it is.
-        set.shrink();
-        assert_eq!(set.table.buckets.len(), after);
-        // So is one that grew by inserts, below that load just after growing: rebuilt
-        // smaller, it would grow again a few percent later, and so on.
-        let mut grown = DigestSet::default();
-        let mut digests = values(5, 100_000, u32::MAX).into_iter();
-        let buckets = |s: &DigestSet| s.table.buckets.len();
-        while buckets(&grown) < 1024
-            || grown.len() * SHRINK_BELOW.1 >= buckets(&grown) * SHRINK_BELOW.0
-        {
-            grown.insert(digests.next().expect("enough digests"));
-        }
-        let room = buckets(&grown);
-        grown.shrink();
-        assert_eq!(buckets(&grown), room, "room made by growing was given back");
-    }
-
-    #[test]
     fn a_table_grows_by_half_and_stays_below_its_load() {
-        let mut set = DigestSet::default();
+        let hash_of = |e: u32| mix(u64::from(e));
+        let mut table = Table::<u32>::default();
         for d in 1..=100_000 {
-            set.insert(d);
+            table.insert(hash_of(d), d, |e| e == d, hash_of);
         }
-        let buckets = set.table.buckets.len();
+        let buckets = table.buckets.len();
         assert!(
             buckets * 4 >= 100_000 * 5 && buckets <= 100_000 * 5 / 4 * 3 / 2 + 16,
             "{buckets} buckets for 100,000 digests"
