@@ -2,7 +2,7 @@
 //!
 //! Once duplicates abound, classes are most of what rksm holds: one per duplicated content,
 //! for as long as its copies stay merged. So a class is laid out for its usual size, a few
-//! pages: up to four sit in the class itself, twelve bytes a page, and a class moves its pages
+//! pages: up to four sit in the class itself, eight bytes a page, and a class moves its pages
 //! to a list, then a set, only as it grows. Classes live in chunks of slots rather than one
 //! allocation each, a class keeping its checksum (chunks of a fixed size, so that a first pass
 //! that makes hundreds of thousands of classes never copies them into a vector twice the size,
@@ -25,29 +25,29 @@ const INLINE: usize = 4;
 /// A class's page list becomes a set past this many pages, so leaving it stays O(1).
 const FEW: usize = 32;
 
-/// A page in twelve bytes: a pid and an address in two halves (a `u64` would align it to 16).
+/// A page in eight bytes: its pid (below 2^22, Linux's largest `pid_max`) above its page
+/// number, for an address below 2^54 (all the user space of 4-level paging). A class with a
+/// page past that keeps its pages in a list ([`Members::Few`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(super) struct Packed {
-    pid: u32,
-    low: u32,
-    high: u32,
-}
+pub(super) struct Packed(u64);
 
-impl From<PageRef> for Packed {
-    fn from(page: PageRef) -> Self {
-        Packed {
-            pid: page.pid,
-            low: page.addr as u32,
-            high: (page.addr >> 32) as u32,
-        }
+const PID_BITS: u32 = 22;
+const NUMBER_BITS: u32 = 42;
+const PAGE_SHIFT: u32 = 12;
+
+impl Packed {
+    fn new(page: PageRef) -> Option<Self> {
+        let number = page.addr >> PAGE_SHIFT;
+        (page.pid < 1 << PID_BITS
+            && number < 1 << NUMBER_BITS
+            && page.addr & ((1 << PAGE_SHIFT) - 1) == 0)
+            .then(|| Packed((u64::from(page.pid) << NUMBER_BITS) | number))
     }
-}
 
-impl From<Packed> for PageRef {
-    fn from(page: Packed) -> Self {
+    fn page(self) -> PageRef {
         PageRef {
-            pid: page.pid,
-            addr: (u64::from(page.high) << 32) | u64::from(page.low),
+            pid: (self.0 >> NUMBER_BITS) as u32,
+            addr: (self.0 & ((1 << NUMBER_BITS) - 1)) << PAGE_SHIFT,
         }
     }
 }
@@ -55,7 +55,7 @@ impl From<Packed> for PageRef {
 /// The pages of a class, the first of them its representative.
 #[derive(Debug, Clone)]
 pub(super) enum Members {
-    /// Up to [`INLINE`] pages, in order.
+    /// Up to [`INLINE`] pages, in order, each of which packs.
     Inline { len: u8, pages: [Packed; INLINE] },
     /// Up to [`FEW`] pages, in order.
     Few(Vec<PageRef>),
@@ -73,9 +73,14 @@ pub(super) struct ManyPages {
 impl Members {
     /// One page.
     fn one(page: PageRef) -> Self {
-        let mut pages = [Packed::default(); INLINE];
-        pages[0] = page.into();
-        Members::Inline { len: 1, pages }
+        match Packed::new(page) {
+            Some(packed) => {
+                let mut pages = [Packed::default(); INLINE];
+                pages[0] = packed;
+                Members::Inline { len: 1, pages }
+            }
+            None => Members::Few(vec![page]),
+        }
     }
 
     pub(super) fn len(&self) -> usize {
@@ -89,7 +94,7 @@ impl Members {
     pub(super) fn rep(&self) -> Option<PageRef> {
         match self {
             Members::Inline { len: 0, .. } => None,
-            Members::Inline { pages, .. } => Some(pages[0].into()),
+            Members::Inline { pages, .. } => Some(pages[0].page()),
             Members::Few(v) => v.first().copied(),
             Members::Many(many) => Some(many.rep),
         }
@@ -98,8 +103,17 @@ impl Members {
     pub(super) fn add(&mut self, page: PageRef) {
         match self {
             Members::Inline { len, pages } if usize::from(*len) < INLINE => {
-                pages[usize::from(*len)] = page.into();
-                *len += 1;
+                match Packed::new(page) {
+                    Some(packed) => {
+                        pages[usize::from(*len)] = packed;
+                        *len += 1;
+                    }
+                    None => {
+                        let mut all: Vec<PageRef> = self.iter().collect();
+                        all.push(page);
+                        *self = Members::Few(all);
+                    }
+                }
             }
             Members::Inline { .. } => {
                 let mut all: Vec<PageRef> = self.iter().collect();
@@ -124,7 +138,7 @@ impl Members {
         match self {
             Members::Inline { len, pages } => {
                 let held = &mut pages[..usize::from(*len)];
-                let Some(i) = held.iter().position(|&p| PageRef::from(p) == page) else {
+                let Some(i) = held.iter().position(|&p| p.page() == page) else {
                     return false;
                 };
                 held.copy_within(i + 1.., i);
@@ -154,9 +168,9 @@ impl Members {
 
     pub(super) fn contains(&self, page: PageRef) -> bool {
         match self {
-            Members::Inline { len, pages } => pages[..usize::from(*len)]
-                .iter()
-                .any(|&p| PageRef::from(p) == page),
+            Members::Inline { len, pages } => {
+                pages[..usize::from(*len)].iter().any(|&p| p.page() == page)
+            }
             Members::Few(v) => v.contains(&page),
             Members::Many(many) => many.all.contains(&page),
         }
@@ -165,7 +179,7 @@ impl Members {
     pub(super) fn iter(&self) -> Box<dyn Iterator<Item = PageRef> + '_> {
         match self {
             Members::Inline { len, pages } => {
-                Box::new(pages[..usize::from(*len)].iter().map(|&p| p.into()))
+                Box::new(pages[..usize::from(*len)].iter().map(|&p| p.page()))
             }
             Members::Few(v) => Box::new(v.iter().copied()),
             Members::Many(many) => Box::new(many.all.iter().copied()),
@@ -243,7 +257,7 @@ struct Slots {
     chunks: Vec<Vec<Class>>,
 }
 
-/// Slots a chunk holds: 288 KiB of classes.
+/// Slots a chunk holds: 224 KiB of classes.
 const CHUNK: usize = 4096;
 
 impl Slots {
@@ -386,9 +400,9 @@ mod tests {
     }
 
     #[test]
-    fn a_class_of_a_few_pages_is_one_slot_of_72_bytes() {
-        assert_eq!(size_of::<Packed>(), 12);
-        assert_eq!(size_of::<Class>(), 72);
+    fn a_class_of_a_few_pages_is_one_slot_of_56_bytes() {
+        assert_eq!(size_of::<Packed>(), 8);
+        assert_eq!(size_of::<Class>(), 56);
         assert_eq!(size_of::<Single>(), 16);
     }
 
@@ -414,6 +428,42 @@ mod tests {
             small.iter().collect::<Vec<_>>(),
             [page(2, 1), page(2, 2), page(2, 3)]
         );
+    }
+
+    #[test]
+    fn pages_that_do_not_pack_keep_a_class_in_a_list_with_the_same_answers() {
+        // The largest pid, a page at the top of 4-level paging's user space, and pages that
+        // do not pack: above 2^54 (5-level paging), a pid past 2^22.
+        let top = PageRef {
+            pid: (1 << PID_BITS) - 1,
+            addr: (1 << 47) - 4096,
+        };
+        assert_eq!(Packed::new(top).map(Packed::page), Some(top));
+        let high = PageRef {
+            pid: 3,
+            addr: 1 << 55,
+        };
+        let big_pid = PageRef {
+            pid: 1 << PID_BITS,
+            addr: 0x1000,
+        };
+        assert_eq!(Packed::new(high), None);
+        assert_eq!(Packed::new(big_pid), None);
+        for odd in [high, big_pid] {
+            // First in the class, or joining one held inline.
+            let mut alone = Members::one(odd);
+            assert!(matches!(alone, Members::Few(_)));
+            alone.add(top);
+            let mut joined = Members::one(top);
+            joined.add(odd);
+            assert!(matches!(joined, Members::Few(_)));
+            for members in [&mut alone, &mut joined] {
+                assert!(members.contains(odd) && members.contains(top));
+                assert_eq!(members.len(), 2);
+                assert!(members.remove(odd) && !members.contains(odd));
+                assert_eq!(members.rep(), Some(top));
+            }
+        }
     }
 
     #[test]
