@@ -46,9 +46,9 @@ const SIZES: [(&str, u32, u32); 6] = [
 
 /// The eBPF object, to load each part of rksm from.
 ///
-/// Its first load parses the kernel's BTF (tens of milliseconds, and megabytes while it is
-/// kept), and the loads after it reuse it: the daemon makes one for its start-up, loads every
-/// part it needs from it, and lets it go.
+/// The loader is made once and every part is loaded from it. It does not parse the kernel's
+/// BTF: the object has no CO-RE relocations (vendor/README.md says why aya is patched for
+/// that).
 #[derive(Default)]
 pub struct Object {
     loader: Option<aya::EbpfLoader<'static>>,
@@ -126,4 +126,22 @@ fn attach_syscall_programs(
             .map_err(|e| GuardError::Attach(e, event))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tracer::EBPF_OBJECT;
+
+    /// Start-up never parses the kernel's BTF (megabytes, most of a start's CPU) only because
+    /// no program of the object relocates against it: a CO-RE read added to a program would
+    /// bring the parse back to every start.
+    #[test]
+    fn no_program_relocates_against_the_kernels_btf() {
+        assert!(
+            !EBPF_OBJECT.is_empty(),
+            "built without the eBPF object: run the tests with `cargo xtask test`"
+        );
+        let object = aya_obj::Object::parse(EBPF_OBJECT).expect("the object parses");
+        assert!(!object.has_btf_relocations());
+    }
 }
