@@ -5,8 +5,8 @@ Starts the four workloads of PROFILE, runs one daemon over them for one pass und
 `perf record` (cpu-clock, DWARF call chains, so rksm's own frames are named), and files
 every sample under the first mechanism its call chain names, from the innermost frame out:
 a page fault taken while copying into rksm's buffer is a fault, a compare under the index is
-a compare. Start-up (loading the eBPF programs, with aya's parse of the kernel's BTF) and
-the daemon's exit (its userfaultfds closed, which un-protects every page) are apart; the
+a compare. Start-up (loading the eBPF programs, the kernel's verifier included) and the
+daemon's exit (its userfaultfds closed, which un-protects every page) are apart; the
 first pass's own CPU (the daemon's `first_pass_cpu_seconds`) covers start-up and the pass.
 Needs perf and root. One run: this machine's speed moves from minute to minute, so compare
 shares, not seconds, across runs.

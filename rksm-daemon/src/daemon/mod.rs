@@ -262,7 +262,7 @@ impl Daemon {
             Ok(_) => {}
             Err(e) => log::warn!("open files: the soft limit could not be raised: {e}"),
         }
-        // Every eBPF part is loaded from one reading of the kernel's BTF, let go after start-up.
+        // Every eBPF part is loaded from one object, let go after start-up.
         let mut object = crate::ebpf::Object::new();
         // The tracer's files first: the targets' must not leave it none.
         let tracer = match Tracer::load(TracerConfig::default(), &mut object) {
