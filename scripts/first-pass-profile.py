@@ -8,20 +8,29 @@ a page fault taken while copying into rksm's buffer is a fault, a compare under 
 a compare. Start-up (loading the eBPF programs, the kernel's verifier included) and the
 daemon's exit (its userfaultfds closed, which un-protects every page) are apart; the
 first pass's own CPU (the daemon's `first_pass_cpu_seconds`) covers start-up and the pass.
-Needs perf and root. One run: this machine's speed moves from minute to minute, so compare
+It also prints what a page of fresh memory costs to fault in, with the workloads running
+and after they ended: what each page rksm's tables grow into costs on this machine at that
+moment (on a virtual machine whose host takes free memory back, that moves). Needs perf and
+root. One run: this machine's speed moves from minute to minute, so compare
 shares, not seconds, across runs.
 
     sudo scripts/first-pass-profile.py quarter-4g [RKSM]
 """
 import collections
 import json
+import mmap
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 import perfdata
 import workloads
+
+# madvise(2): fault in a range for writing (Linux 5.14).
+MADV_POPULATE_WRITE = 23
 
 # Phases, by a frame anywhere in the chain.
 PHASES = [
@@ -57,6 +66,21 @@ def first_match(frames, rules):
     return None
 
 
+def fresh_page_us(mib=64, runs=3):
+    """Microseconds to fault in a page of memory this process never had (the median of
+    RUNS mappings of MIB, each populated for writing in one call): the price of each page
+    rksm's tables grow into. On a virtual machine whose host takes free memory back it
+    depends on what else has just been allocated."""
+    costs = []
+    for _ in range(runs):
+        m = mmap.mmap(-1, mib << 20)
+        started = time.perf_counter()
+        m.madvise(MADV_POPULATE_WRITE)
+        costs.append((time.perf_counter() - started) / (mib << 20 >> 12) * 1e6)
+        m.close()
+    return statistics.median(costs)
+
+
 def main():
     if len(sys.argv) < 2:
         sys.exit("usage: first-pass-profile.py PROFILE [RKSM]")
@@ -65,6 +89,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "perf.data")
         with workloads.running(rksm, profile) as pids:
+            fresh = fresh_page_us()
             done = subprocess.run(
                 ["perf", "record", "-q", "-F", "1999", "--call-graph", "dwarf,16384",
                  "-o", data, "--", rksm, "--no-config", "daemon", *pids, "--dirty", "ebpf",
@@ -84,6 +109,9 @@ def main():
     print(f"{profile}: {pages} pages ({gb:.2f} GB) present; first pass "
           f"{stats.get('first_pass_cpu_seconds', 0):.3f} CPU s by the daemon's count; "
           f"perf sampled {total / 1e9:.3f} s from start to exit")
+    print(f"a page of fresh memory took {fresh:.2f} us to fault in, with the workloads "
+          f"running (the median of 3 mappings of 64 MiB); {fresh_page_us():.2f} us after "
+          f"they ended")
     print(f"{'':44} {'CPU s':>7} {'s/GB':>7} {'share':>6}")
     for name, ns in phases.most_common():
         print(f"{name:44} {ns / 1e9:7.3f} {ns / 1e9 / gb:7.4f} {ns / total:6.1%}")

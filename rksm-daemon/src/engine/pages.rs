@@ -3,15 +3,19 @@
 //! A steady pass must cost what the writes cost, so the scan does not look at a clean page
 //! again: it needs, for every page it once hashed, the checksum and whether the page sits in
 //! the index (placed) or waits for the checksum gate (pending). That is kept here, in chunks
-//! of 64 pages that exist only where a page is present: 12.6 bytes per page of dense memory,
+//! of 64 pages that exist only where a page is present: 12.8 bytes per page of dense memory,
 //! and a sparse mapping (a 1 TiB `MAP_NORESERVE` arena, a sanitizer's shadow) costs at most
-//! one 808-byte chunk per present page, never anything per virtual page. `scanned` says which
+//! one 816-byte chunk per present page, never anything per virtual page. `scanned` says which
 //! ranges were read in full at some pass, so that their absent pages are known absent.
 //!
 //! Where new pages are sampled (see `ebpf::sampler`), a chunk also keeps each page's digest:
 //! of a page only sampled (not read, not in the index, counted in the domain's
 //! [`SampleIndex`](super::samples::SampleIndex)), and of a page read whole whose digest the
-//! sample index counts. A chunk of pages only sampled keeps no checksums: 4.6 bytes a page.
+//! sample index counts. A chunk of pages only sampled keeps no checksums: 4.8 bytes a page.
+//!
+//! A duplicate found when its page was first read waits a pass for the gate; it is held here
+//! too, as one bit of its chunk (the checksum is the chunk's already), not as an entry of a
+//! list of its own: a first pass holds hundreds of thousands of them.
 //! Every change to those is queued here as a [`DigestChange`] for the scanner to apply to
 //! the sample index, so that no path that forgets a page forgets it there.
 
@@ -52,6 +56,8 @@ struct Chunk {
     tracked: u64,
     /// Pages only sampled: not known, their digest in the sample index.
     sampled: u64,
+    /// Known pages held for the gate.
+    held: u64,
 }
 
 impl Chunk {
@@ -63,6 +69,7 @@ impl Chunk {
             digests: [0; CHUNK_PAGES as usize],
             tracked: 0,
             sampled: 0,
+            held: 0,
         })
     }
 
@@ -109,6 +116,9 @@ pub struct PageState {
     sampled: u64,
     /// What the sample index has not been told yet.
     changes: Vec<DigestChange>,
+    /// Chunks given a held page since the last take, in the order they were (some twice,
+    /// some with none left).
+    held_chunks: Vec<u64>,
 }
 
 /// Keeps chunk `key` listed among the chunks with a pending page when it has come to hold
@@ -143,6 +153,51 @@ fn release(
         chunk.sampled &= !bit;
         *sampled -= 1;
         changes.push(DigestChange::Unsampled(addr, chunk.digests[slot]));
+    }
+}
+
+/// The held pages of a [`PageState`], taken in address order: see [`PageState::take_held`].
+pub struct TakenHeld<'a> {
+    state: &'a mut PageState,
+    /// Chunks still to look at.
+    keys: std::vec::IntoIter<u64>,
+    /// The chunk being given, and its held pages not given yet.
+    key: u64,
+    bits: u64,
+}
+
+impl Iterator for TakenHeld<'_> {
+    type Item = (u64, u64);
+
+    fn next(&mut self) -> Option<(u64, u64)> {
+        loop {
+            if self.bits != 0 {
+                let slot = self.bits.trailing_zeros() as usize;
+                self.bits &= self.bits - 1;
+                let chunk = self.state.chunks.get_mut(&self.key)?;
+                chunk.held &= !(1 << slot);
+                return Some((
+                    self.key * CHUNK_SPAN + slot as u64 * PAGE_SIZE,
+                    chunk.checksum(slot),
+                ));
+            }
+            self.key = self.keys.next()?;
+            self.bits = self
+                .state
+                .chunks
+                .get(&self.key)
+                .map_or(0, |c| c.held & c.known);
+        }
+    }
+}
+
+impl Drop for TakenHeld<'_> {
+    /// What was not given stays held, listed for the next take.
+    fn drop(&mut self) {
+        if self.bits != 0 {
+            self.state.held_chunks.push(self.key);
+        }
+        self.state.held_chunks.extend(self.keys.by_ref());
     }
 }
 
@@ -315,6 +370,36 @@ impl PageState {
         std::mem::take(&mut self.changes)
     }
 
+    /// Holds the known page at `addr` for the gate, with the checksum it has here.
+    pub fn hold(&mut self, addr: u64) {
+        let (key, slot) = split(addr);
+        let Some(chunk) = self.chunks.get_mut(&key) else {
+            debug_assert!(false, "only a known page is held");
+            return;
+        };
+        let bit = 1u64 << slot;
+        debug_assert!(chunk.known & bit != 0, "only a known page is held");
+        if chunk.held == 0 {
+            self.held_chunks.push(key);
+        }
+        chunk.held |= bit & chunk.known;
+    }
+
+    /// The pages held since the last take, with their checksums, in address order; each is
+    /// held no longer once given (those not given, if it is dropped early, stay held). A
+    /// page forgotten meanwhile is not among them.
+    pub fn take_held(&mut self) -> TakenHeld<'_> {
+        let mut keys = std::mem::take(&mut self.held_chunks);
+        keys.sort_unstable();
+        keys.dedup();
+        TakenHeld {
+            keys: keys.into_iter(),
+            key: 0,
+            bits: 0,
+            state: self,
+        }
+    }
+
     /// Forgets the page at `addr`; returns what was known.
     pub fn remove(&mut self, addr: u64) -> Option<PageInfo> {
         let (key, slot) = split(addr);
@@ -331,6 +416,7 @@ impl PageState {
         release(chunk, slot, addr, &mut self.changes, &mut self.sampled);
         chunk.known &= !bit;
         chunk.placed &= !bit;
+        chunk.held &= !bit;
         if chunk.known == 0 {
             chunk.checksums = None;
         }
@@ -453,7 +539,10 @@ impl PageState {
                 .filter(|c| c.checksums.is_some())
                 .count() as u64
                 * (size_of::<[u64; CHUNK_PAGES as usize]>() as u64 + 16);
-        chunks + self.pending_chunks.len() as u64 * 16 + self.scanned.as_slice().len() as u64 * 16
+        chunks
+            + self.pending_chunks.len() as u64 * 16
+            + self.held_chunks.capacity() as u64 * 8
+            + self.scanned.as_slice().len() as u64 * 16
     }
 }
 
@@ -510,6 +599,58 @@ mod tests {
         assert!(state.remove(5 * P).is_some_and(|p| p.placed));
         assert_eq!(state.len(), 1);
         assert_eq!(state.chunks.len(), 1, "an empty chunk is freed");
+    }
+
+    fn placed(state: &mut PageState, addr: u64, checksum: u64) {
+        state.set(
+            addr,
+            PageInfo {
+                checksum,
+                placed: true,
+            },
+        );
+    }
+
+    #[test]
+    fn held_pages_are_taken_once_in_address_order_with_their_checksums() {
+        let mut state = PageState::default();
+        for (addr, sum) in [(200 * P, 2), (3 * P, 1), (64 * P, 3), (5 * P, 4)] {
+            placed(&mut state, addr, sum);
+            state.hold(addr);
+        }
+        placed(&mut state, 6 * P, 5);
+        // Forgotten after it was held: not taken.
+        state.remove(64 * P);
+        assert_eq!(
+            state.take_held().collect::<Vec<_>>(),
+            [(3 * P, 1), (5 * P, 4), (200 * P, 2)]
+        );
+        assert_eq!(state.take_held().count(), 0, "taken once");
+        // Held again after a take: taken at the next, even in a chunk held before.
+        state.hold(5 * P);
+        placed(&mut state, 64 * P, 6);
+        state.hold(64 * P);
+        assert_eq!(
+            state.take_held().collect::<Vec<_>>(),
+            [(5 * P, 4), (64 * P, 6)]
+        );
+    }
+
+    #[test]
+    fn held_pages_not_given_stay_held() {
+        let mut state = PageState::default();
+        for page in [1, 2, 70, 140] {
+            placed(&mut state, page * P, page);
+            state.hold(page * P);
+        }
+        assert_eq!(state.take_held().next(), Some((P, 1)));
+        assert_eq!(
+            state.take_held().collect::<Vec<_>>(),
+            [(2 * P, 2), (70 * P, 70), (140 * P, 140)]
+        );
+        state.hold(2 * P);
+        state.clear();
+        assert_eq!(state.take_held().count(), 0, "cleared with the rest");
     }
 
     #[test]

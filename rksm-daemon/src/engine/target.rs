@@ -18,7 +18,7 @@ use crate::{
     engine::{
         dirty::{protection::WriteProtect, DirtyState},
         keys::PageSet,
-        pages::{PageInfo, PageState},
+        pages::{PageInfo, PageState, TakenHeld},
     },
     kernel::{
         process::{Process, ProcessId},
@@ -90,11 +90,6 @@ pub struct Target {
     /// takes them in that order, and a first pass finds hundreds of thousands at once, which
     /// are built into the tree in one go rather than hashed one by one and sorted after.
     candidates: BTreeMap<u64, u64>,
-    /// Duplicates found when their page was first read, with their checksum: they become
-    /// candidates at the next pass if they are still in the index with company then (that
-    /// is, neither they nor their class were written: the checksum gate, kept by the dirty
-    /// bit instead of by hashing again).
-    held: Vec<(u64, u64)>,
     /// What the last pass found in it, until the marking takes it.
     finds: Finds,
     /// Counters.
@@ -115,7 +110,6 @@ impl Target {
             marked: RangeSet::default(),
             merged: PageSet::default(),
             candidates: BTreeMap::new(),
-            held: Vec::new(),
             finds: Finds::default(),
             counters: TargetCounters::default(),
             skipped: false,
@@ -249,20 +243,18 @@ impl Target {
         &mut self.pages
     }
 
-    /// Its pages, and the duplicates held for the gate, to place a batch of reads into.
-    pub fn pages_and_held(&mut self) -> (&mut PageState, &mut Vec<(u64, u64)>) {
-        (&mut self.pages, &mut self.held)
-    }
-
-    /// The duplicates held at its last pass, to put through the gate.
-    pub fn take_held(&mut self) -> Vec<(u64, u64)> {
-        std::mem::take(&mut self.held)
+    /// The duplicates held at its last pass, to put through the gate, with their checksums:
+    /// found when their page was first read, they become candidates at the next pass if
+    /// they are still in the index with company then (that is, neither they nor their class
+    /// were written: the checksum gate, kept by the dirty bit instead of by hashing again).
+    /// Its pages hold them ([`PageState::hold`]).
+    pub fn take_held(&mut self) -> TakenHeld<'_> {
+        self.pages.take_held()
     }
 
     /// Forgets every page (the process is dropped, or its scan failed half-way and it is read
     /// in full next time); returns them, for the index.
     pub fn forget_pages(&mut self) -> Vec<(u64, PageInfo)> {
-        self.held.clear();
         self.pages.clear()
     }
 

@@ -125,7 +125,7 @@ struct Work {
     /// Pages the audit found written that no record names: a changed checksum is a miss.
     unseen: HashSet<u64>,
     /// Ranges under write protection from now on: a page read in them for the first time
-    /// is placed at once, and its duplicates held for the gate (see [`Target::held`]).
+    /// is placed at once, and its duplicates held for the gate (see [`Target::take_held`]).
     hold: RangeSet,
     /// Duplicates held at the last pass that passed the gate now: this pass's finds.
     released: u64,

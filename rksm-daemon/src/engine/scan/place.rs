@@ -148,7 +148,7 @@ impl Scanner {
             ..
         } = prepared;
         let (unseen, hold) = (&work.unseen, &work.hold);
-        let (pages, held) = target.pages_and_held();
+        let pages = target.pages_mut();
         let pid = open.pid;
         let kind = self.config.checksum;
         let page_at = |slot: usize| page_of(&bytes, slot);
@@ -246,12 +246,13 @@ impl Scanner {
             for stale in index.take_stale() {
                 self.recheck.entry(stale.pid).or_default().push(stale.addr);
             }
+            let mut hold = false;
             match placement {
                 Placement::Unique => counts.unique_pages += 1,
                 // New, so not yet through the gate: volatile this pass, as before.
                 Placement::Duplicate { .. } if gated => {
                     counts.volatile_pages += 1;
-                    held.push((page.addr, checksum));
+                    hold = true;
                 }
                 Placement::Duplicate { of } => {
                     counts.duplicate_pages += 1;
@@ -292,6 +293,9 @@ impl Scanner {
                 },
                 digest,
             );
+            if hold {
+                pages.hold(page.addr);
+            }
             // A page read whole (written, or new where nothing is sampled) that meets pages
             // only sampled: those are read whole at their target's next pass.
             if let (Some(digest), Content::Loaded(_)) = (digest, content) {

@@ -122,16 +122,28 @@ impl Scanner {
     /// written since they were compared. Their company is marked too, as at a placement.
     /// Returns how many passed.
     pub(super) fn release_held(&mut self, target: &mut Target) -> u64 {
-        let held = target.take_held();
-        let Some(index) = self.indexes.get(&target.domain()) else {
+        let (pid, domain) = (target.pid(), target.domain());
+        let mut held = target.take_held();
+        let Some(index) = self.indexes.get(&domain) else {
+            // Nothing to have company in: none passes, and none stays held.
+            held.for_each(drop);
             return 0;
         };
-        let pid = target.pid();
+        // The next COMPANY_AHEAD, their places in the index fetched while earlier ones are
+        // looked up.
+        let mut coming = VecDeque::with_capacity(COMPANY_AHEAD + 1);
         let mut released = 0;
-        for (i, &(addr, checksum)) in held.iter().enumerate() {
-            if let Some(&(_, ahead)) = held.get(i + COMPANY_AHEAD) {
-                index.prefetch_company(ahead);
+        loop {
+            while coming.len() <= COMPANY_AHEAD {
+                let Some((addr, checksum)) = held.next() else {
+                    break;
+                };
+                index.prefetch_company(checksum);
+                coming.push_back((addr, checksum));
             }
+            let Some((addr, checksum)) = coming.pop_front() else {
+                break;
+            };
             let page = PageRef { pid, addr };
             if let Some(other) = index.company(page, checksum) {
                 released += 1;
