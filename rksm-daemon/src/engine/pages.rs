@@ -12,12 +12,12 @@
 //! of a page only sampled (not read, not in the index, counted in the domain's
 //! [`SampleIndex`](super::samples::SampleIndex)), and of a page read whole whose digest the
 //! sample index counts. A chunk of pages only sampled keeps no checksums: 4.8 bytes a page.
+//! Every change to those is queued here as a [`DigestChange`] for the scanner to apply to
+//! the sample index, so that no path that forgets a page forgets it there.
 //!
 //! A duplicate found when its page was first read waits a pass for the gate; it is held here
 //! too, as one bit of its chunk (the checksum is the chunk's already), not as an entry of a
 //! list of its own: a first pass holds hundreds of thousands of them.
-//! Every change to those is queued here as a [`DigestChange`] for the scanner to apply to
-//! the sample index, so that no path that forgets a page forgets it there.
 
 use std::collections::{BTreeMap, BTreeSet};
 
