@@ -45,7 +45,11 @@ def one_run(build, profile, passes):
 def main():
     if len(sys.argv) < 5:
         sys.exit("usage: first-passes.py PROFILE PASSES RUNS RKSM [RKSM...]")
-    profile, passes, runs, builds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+    try:
+        profile, passes, runs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    except ValueError:
+        sys.exit("first-passes.py: PASSES and RUNS are whole numbers")
+    builds = sys.argv[4:]
     seen = {b: [] for b in builds}
     try:
         for run in range(runs):
