@@ -241,6 +241,37 @@ pub mod sample {
     }
 }
 
+/// The copier: whole pages read through the kernel's direct map into a map mapped into
+/// user space, measured against `process_vm_readv` (see the daemon's `ebpf::copier`).
+pub mod copy {
+    /// The program.
+    pub const COPY_PROGRAM: &str = "rksm_copy";
+    /// `Array<CopyJob>` of one entry, mapped into the daemon (`BPF_F_MMAPABLE`).
+    pub const JOB: &str = "RKSM_COPY_JOB";
+    /// `Array<[u8; PAGE]>` of [`SLOTS`] entries, mapped into the daemon: where pages land.
+    pub const PAGES: &str = "RKSM_COPY_PAGES";
+    /// Pages per run of the copier.
+    pub const BATCH: usize = 128;
+    /// Slots the pages land in.
+    pub const SLOTS: u32 = 1024;
+
+    /// One run of the copier: frame `pfns[i]` into slot `first + i`, for `i < count`.
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    pub struct CopyJob {
+        /// Kernel virtual address of physical address 0 in the direct map.
+        pub base: u64,
+        /// Pages in this batch, at most [`BATCH`].
+        pub count: u32,
+        /// The slot of the first page; `first + count` is at most [`SLOTS`].
+        pub first: u32,
+        /// Page frame numbers.
+        pub pfns: [u64; BATCH],
+        /// 1 where a page was copied, 0 where its frame could not be read.
+        pub copied: [u8; BATCH],
+    }
+}
+
 /// Default capacity of the tracked-process map.
 pub const MAX_TRACKED: u32 = 16384;
 /// Default size of the record ring in bytes (a power of two, a multiple of the page size).

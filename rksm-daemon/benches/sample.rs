@@ -11,8 +11,11 @@
 //! four 16-byte samples of each page (four iovecs per page, 1,024 per call), and the way
 //! rksm samples: the batch's frame numbers read from pagemap and its digests taken by the
 //! eBPF sampler through the kernel's direct map (needs root and the eBPF object; skipped
-//! without), and the sampler alone with the frames already known. Criterion reports each
-//! batch; divide by 1,024 for a page.
+//! without), and the sampler alone with the frames already known. Two more rows say what a
+//! read of whole pages is made of: the same amount of this process's own memory (1 GiB,
+//! out of the cache too) copied with memcpy, and whole pages copied through the direct map
+//! by the eBPF copier, which takes no lock and pins nothing (`rksm::ebpf::copier`), with and
+//! without xxh64. Criterion reports each batch; divide by 1,024 for a page.
 //!
 //! Run: `cargo bench -p rksm --bench sample` (also part of `cargo xtask bench`).
 
@@ -106,6 +109,19 @@ fn reads(c: &mut Criterion) {
             assert_eq!(n.unwrap(), BATCH * PAGE);
         })
     });
+    // The same bytes copied within one process, out of the cache: what reading memory costs
+    // here before any system call.
+    let own: Vec<u8> = (0..PAGES * PAGE / 8)
+        .flat_map(|i| (i as u64 * 0x9E37_79B9).to_ne_bytes())
+        .collect();
+    group.bench_function("memcpy_own", |b| {
+        b.iter(|| {
+            let at = next() * BATCH * PAGE;
+            whole.copy_from_slice(&own[at..at + BATCH * PAGE]);
+            whole[PAGE]
+        })
+    });
+    drop(own);
     group.bench_function("whole_xxh64", |b| {
         b.iter(|| {
             let remote = [RemoteIoVec {
@@ -188,6 +204,49 @@ fn reads(c: &mut Criterion) {
                 assert!(digests.iter().all(|&d| d != 0));
             })
         });
+    }
+    // Whole pages through the direct map, the frames read from pagemap each batch.
+    if let Ok(sampler) = rksm::ebpf::sampler::Sampler::load(&mut rksm::ebpf::Object::new()) {
+        let mut object = rksm::ebpf::Object::new();
+        match rksm::ebpf::copier::Copier::load(&mut object, sampler.direct_map()) {
+            Ok(mut copier) => {
+                let pagemap =
+                    rksm::kernel::procfs::Pagemap::open(child.pid.as_raw() as u32).unwrap();
+                let mut entries = vec![rksm::kernel::procfs::PagemapEntry(0); BATCH];
+                let mut pfns = vec![0u64; BATCH];
+                let mut copied = vec![false; BATCH];
+                group.bench_function("whole_ebpf_copy", |b| {
+                    b.iter(|| {
+                        let got = pagemap
+                            .read(child.page(next(), 0) as u64, &mut entries)
+                            .unwrap();
+                        assert_eq!(got, BATCH);
+                        for (pfn, entry) in pfns.iter_mut().zip(&entries) {
+                            *pfn = entry.pfn().expect("present");
+                        }
+                        copier.copy(&pfns, 0, &mut copied).unwrap();
+                        assert!(copied.iter().all(|&c| c));
+                    })
+                });
+                group.bench_function("whole_ebpf_copy_xxh64", |b| {
+                    b.iter(|| {
+                        let got = pagemap
+                            .read(child.page(next(), 0) as u64, &mut entries)
+                            .unwrap();
+                        assert_eq!(got, BATCH);
+                        for (pfn, entry) in pfns.iter_mut().zip(&entries) {
+                            *pfn = entry.pfn().expect("present");
+                        }
+                        copier.copy(&pfns, 0, &mut copied).unwrap();
+                        copier.slots()[..BATCH * PAGE]
+                            .chunks_exact(PAGE)
+                            .map(|p| ChecksumKind::Xxh64.checksum(p))
+                            .fold(0, u64::wrapping_add)
+                    })
+                });
+            }
+            Err(e) => eprintln!("whole_ebpf_copy skipped: {e}"),
+        }
     }
     group.finish();
 }

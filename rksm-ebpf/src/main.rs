@@ -16,6 +16,7 @@
 
 use core::intrinsics::{atomic_xadd, AtomicOrdering};
 
+mod copier;
 mod guard;
 mod marks;
 mod sampler;

@@ -6,8 +6,13 @@
 //! [`guard`] steps rksm's userfaultfd aside for a target that takes up its own, and
 //! [`waits`] tells when a thread entered the wait a borrow interrupted. [`marks`] serves the
 //! merge domains: it records every process that asks to make memory mergeable.
+//! [`sampler`] digests new pages through the kernel's direct map for the first pass;
+//! [`copier`] copies whole pages the same way, loaded only by the benchmarks that weigh it
+//! against `process_vm_readv`. Both run on demand over maps the daemon has mapped.
 
+pub mod copier;
 pub mod guard;
+mod mapped;
 pub mod marks;
 pub mod recorder;
 pub mod ring;
@@ -23,7 +28,7 @@ use tracer::EBPF_OBJECT;
 /// Every sized map of the object, with the smallest size the kernel takes for it and the size
 /// the object declares: each part loads the object for its own programs, and the maps it does
 /// not use stay that small.
-const SIZES: [(&str, u32, u32); 6] = [
+const SIZES: [(&str, u32, u32); 7] = [
     (
         rksm_common::names::RECORDS,
         4096,
@@ -42,6 +47,7 @@ const SIZES: [(&str, u32, u32); 6] = [
         1,
         rksm_common::marks::MAX_MARKERS,
     ),
+    (rksm_common::copy::PAGES, 1, rksm_common::copy::SLOTS),
 ];
 
 /// The eBPF object, to load each part of rksm from.

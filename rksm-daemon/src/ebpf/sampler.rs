@@ -22,17 +22,9 @@
 //! until the page is next written. It needs what loading a tracing program needs
 //! (CAP_BPF, CAP_PERFMON) and a kernel not locked down for confidentiality.
 
-use std::{
-    fs::File,
-    os::{
-        fd::{AsFd, AsRawFd},
-        unix::fs::FileExt,
-    },
-    ptr::NonNull,
-};
+use std::{fs::File, os::unix::fs::FileExt};
 
 use aya::{
-    maps::{Map, MapData},
     programs::{RawTracePoint, RawTracePointRunOptions, TestRun},
     Ebpf,
 };
@@ -41,7 +33,11 @@ use rksm_common::sample::{
 };
 
 use crate::{
-    ebpf::{guard::GuardError, tracer::EBPF_OBJECT},
+    ebpf::{
+        guard::GuardError,
+        mapped::{MappedArray, MappedError},
+        tracer::EBPF_OBJECT,
+    },
     kernel::procfs::{Pagemap, PagemapEntry},
 };
 
@@ -56,7 +52,7 @@ pub enum SamplerError {
     Program(&'static str, aya::programs::ProgramError),
     /// The job's map could not be mapped into the daemon.
     #[error("the sampler's job: {0}")]
-    Job(std::io::Error),
+    Job(#[from] MappedError),
     /// The marker page could not be set up.
     #[error("the sampler's marker page: {0}")]
     Marker(std::io::Error),
@@ -75,67 +71,20 @@ pub enum SamplerError {
 
 /// The loaded sampler.
 pub struct Sampler {
-    job: MappedJob,
+    job: MappedArray,
     base: u64,
     /// Holds the programs.
     ebpf: Ebpf,
 }
 
-/// The job's one entry, mapped into the daemon: the program reads and writes it only while
-/// the daemon waits in `BPF_PROG_TEST_RUN`, so the two never touch it at once.
-struct MappedJob {
-    job: NonNull<SampleJob>,
-    len: usize,
-    /// The map, whose fd stays open as long as it is mapped.
-    _map: MapData,
-}
-
-impl MappedJob {
-    fn new(map: MapData) -> Result<Self, std::io::Error> {
-        let len = size_of::<SampleJob>().next_multiple_of(rksm_common::PAGE);
-        // SAFETY: maps the array's values (offset 0) of an fd that stays open in `_map`;
-        // the kernel checks the length against the map and its BPF_F_MMAPABLE flag.
-        let addr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                map.fd().as_fd().as_raw_fd(),
-                0,
-            )
-        };
-        if addr == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
-        }
-        let job = NonNull::new(addr.cast()).ok_or_else(|| std::io::Error::other("mmap gave 0"))?;
-        Ok(MappedJob {
-            job,
-            len,
-            _map: map,
-        })
-    }
-
-    fn get(&self) -> *mut SampleJob {
-        self.job.as_ptr()
-    }
-}
-
-impl Drop for MappedJob {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in new, not used after this.
-        unsafe { libc::munmap(self.job.as_ptr().cast(), self.len) };
-    }
-}
-
 /// A page of the daemon's own, filled with random words and locked while the sampler is set
 /// up, so that its frame cannot move.
-struct Marker {
+pub(super) struct Marker {
     page: *mut u8,
 }
 
 impl Marker {
-    fn new() -> Result<Self, std::io::Error> {
+    pub(super) fn new() -> Result<Self, std::io::Error> {
         let size = rksm_common::PAGE;
         // SAFETY: a fresh private anonymous mapping; nothing else refers to it.
         let page = unsafe {
@@ -162,13 +111,13 @@ impl Marker {
         Ok(marker)
     }
 
-    fn bytes(&self) -> &[u8] {
+    pub(super) fn bytes(&self) -> &[u8] {
         // SAFETY: the page mapped in new, alive until drop.
         unsafe { std::slice::from_raw_parts(self.page, rksm_common::PAGE) }
     }
 
     /// Its frame, from the daemon's own pagemap.
-    fn pfn(&self) -> Result<u64, std::io::Error> {
+    pub(super) fn pfn(&self) -> Result<u64, std::io::Error> {
         let mut entry = [PagemapEntry(0)];
         Pagemap::open(std::process::id())
             .and_then(|pagemap| pagemap.read(self.page as u64, &mut entry))
@@ -201,15 +150,12 @@ impl Sampler {
                 .map_err(|e| SamplerError::Program(name, e))?;
             program.load().map_err(|e| SamplerError::Program(name, e))?;
         }
-        let Map::Array(map) = ebpf.take_map(JOB).ok_or(GuardError::Missing(JOB))? else {
-            return Err(SamplerError::Job(std::io::Error::other("not an array map")));
-        };
-        let job = MappedJob::new(map).map_err(SamplerError::Job)?;
+        let job = MappedArray::take(&mut ebpf, JOB, size_of::<SampleJob>())?;
         let mut sampler = Sampler { job, base: 0, ebpf };
         let marker = Marker::new().map_err(SamplerError::Marker)?;
         let pfn = marker.pfn().map_err(SamplerError::Marker)?;
         let mixed = sample::mix(&sample::words_of(marker.bytes()));
-        let job = sampler.job.get();
+        let job = sampler.job.as_ptr().cast::<SampleJob>();
         // SAFETY: the job's mapping, which the program touches only during a run.
         unsafe {
             (*job).base = mixed;
@@ -236,6 +182,11 @@ impl Sampler {
         Ok(sampler)
     }
 
+    /// Where the kernel's direct map begins, for the copier.
+    pub fn direct_map(&self) -> u64 {
+        self.base
+    }
+
     fn run(&mut self, name: &'static str) -> Result<i32, SamplerError> {
         let program: &mut RawTracePoint = self
             .ebpf
@@ -252,7 +203,7 @@ impl Sampler {
     /// The digests of frames `pfns` into `digests` (as long): [`sample::UNREAD`] for a frame
     /// that could not be read.
     pub fn sample(&mut self, pfns: &[u64], digests: &mut [u32]) -> Result<(), SamplerError> {
-        let job = self.job.get();
+        let job = self.job.as_ptr().cast::<SampleJob>();
         for (pfns, digests) in pfns.chunks(BATCH).zip(digests.chunks_mut(BATCH)) {
             let count = pfns.len().next_multiple_of(GROUP);
             let last = pfns.last().copied().unwrap_or(0);
