@@ -217,26 +217,16 @@ fn reads(c: &mut Criterion) {
                 let mut copied = vec![false; BATCH];
                 group.bench_function("whole_ebpf_copy", |b| {
                     b.iter(|| {
-                        let got = pagemap
-                            .read(child.page(next(), 0) as u64, &mut entries)
-                            .unwrap();
-                        assert_eq!(got, BATCH);
-                        for (pfn, entry) in pfns.iter_mut().zip(&entries) {
-                            *pfn = entry.pfn().expect("present");
-                        }
+                        let at = child.page(next(), 0) as u64;
+                        frames(&pagemap, at, &mut entries, &mut pfns);
                         copier.copy(&pfns, 0, &mut copied).unwrap();
                         assert!(copied.iter().all(|&c| c));
                     })
                 });
                 group.bench_function("whole_ebpf_copy_xxh64", |b| {
                     b.iter(|| {
-                        let got = pagemap
-                            .read(child.page(next(), 0) as u64, &mut entries)
-                            .unwrap();
-                        assert_eq!(got, BATCH);
-                        for (pfn, entry) in pfns.iter_mut().zip(&entries) {
-                            *pfn = entry.pfn().expect("present");
-                        }
+                        let at = child.page(next(), 0) as u64;
+                        frames(&pagemap, at, &mut entries, &mut pfns);
                         copier.copy(&pfns, 0, &mut copied).unwrap();
                         copier.slots()[..BATCH * PAGE]
                             .chunks_exact(PAGE)
@@ -249,6 +239,19 @@ fn reads(c: &mut Criterion) {
         }
     }
     group.finish();
+}
+
+/// The frames of the pages from `at` on, as many as `pfns` holds, from `pagemap`.
+fn frames(
+    pagemap: &rksm::kernel::procfs::Pagemap,
+    at: u64,
+    entries: &mut [rksm::kernel::procfs::PagemapEntry],
+    pfns: &mut [u64],
+) {
+    assert_eq!(pagemap.read(at, entries).unwrap(), pfns.len());
+    for (pfn, entry) in pfns.iter_mut().zip(entries.iter()) {
+        *pfn = entry.pfn().expect("present");
+    }
 }
 
 criterion_group!(benches, reads);

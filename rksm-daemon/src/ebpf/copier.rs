@@ -114,7 +114,7 @@ impl Copier {
                 .map_err(CopierError::Program)?;
             // SAFETY: as above; the run is over.
             let flags = unsafe { &(*job).copied };
-            for (c, &f) in copied.iter_mut().zip(flags) {
+            for (c, &f) in copied.iter_mut().zip(flags).take(pfns.len()) {
                 *c = f != 0;
             }
         }
