@@ -20,17 +20,18 @@ static JOB: Array<CopyJob> = Array::with_max_entries(1, BPF_F_MMAPABLE);
 #[map(name = "RKSM_COPY_PAGES")]
 static PAGES: Array<[u8; PAGE]> = Array::with_max_entries(SLOTS, BPF_F_MMAPABLE);
 
-/// Copies the job's `count` frames; returns how many it looked at.
+/// Copies the job's `count` frames. aya's macro returns 0 to the kernel whatever this
+/// returns: the daemon reads the job's `copied` flags.
 #[raw_tracepoint(tracepoint = "rksm_copy")]
 pub fn rksm_copy(_ctx: RawTracePointContext) -> i32 {
     let Some(job) = JOB.get_ptr(0) else {
-        return -1;
+        return 0;
     };
     // SAFETY: a pointer into the map's one value, which the lookup just checked.
     let count = unsafe { (*job).count }.min(BATCH as u32);
     // SAFETY: the callback is a static function of this program; it takes no context.
     unsafe { bpf_loop(count, copy_page as *mut _, null_mut(), 0) };
-    count as i32
+    0
 }
 
 /// Page `index` of the batch into its slot.

@@ -24,7 +24,8 @@ static JOB: Array<SampleJob> = Array::with_max_entries(1, BPF_F_MMAPABLE);
 static HINT: Array<u64> = Array::with_max_entries(1, 0);
 
 /// Digests the job's `count` frames into its `digests`, `GROUP` at a time (the daemon
-/// gives a multiple of it); returns how many it looked at.
+/// gives a multiple of it). aya's macro returns 0 to the kernel whatever this returns: the
+/// daemon reads the digests.
 #[raw_tracepoint(tracepoint = "rksm_sample")]
 pub fn rksm_sample(_ctx: RawTracePointContext) -> i32 {
     let Some(job) = JOB.get_ptr(0) else {
