@@ -14,7 +14,10 @@ moment (on a virtual machine whose host takes free memory back, that moves). Nee
 root. One run: this machine's speed moves from minute to minute, so compare
 shares, not seconds, across runs.
 
-    sudo scripts/first-pass-profile.py quarter-4g [RKSM]
+With --functions N it also lists the N functions of the pass that the most samples are in,
+by the innermost of rksm's own frames (the kernel's and libc's work is its caller's).
+
+    sudo scripts/first-pass-profile.py quarter-4g [RKSM] [--functions N]
 """
 import collections
 import json
@@ -82,10 +85,16 @@ def fresh_page_us(mib=64, runs=3):
 
 
 def main():
-    if len(sys.argv) < 2:
-        sys.exit("usage: first-pass-profile.py PROFILE [RKSM]")
-    profile = sys.argv[1]
-    rksm = sys.argv[2] if len(sys.argv) > 2 else "target/release/rksm"
+    args = sys.argv[1:]
+    functions = 0
+    if "--functions" in args:
+        at = args.index("--functions")
+        functions = int(args[at + 1])
+        del args[at:at + 2]
+    if not args:
+        sys.exit("usage: first-pass-profile.py PROFILE [RKSM] [--functions N]")
+    profile = args[0]
+    rksm = args[1] if len(args) > 1 else "target/release/rksm"
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "perf.data")
         with workloads.running(rksm, profile) as pids:
@@ -98,11 +107,14 @@ def main():
         stats = json.loads(done.stdout)
         phases = collections.Counter()
         mechanisms = collections.Counter()
+        inner = collections.Counter()
         for _, period, frames in perfdata.samples(data):
             phase = first_match(reversed(frames), PHASES) or "process start and end"
             phases[phase] += period
             if phase == "pass":
                 mechanisms[first_match(frames, MECHANISMS) or "the rest of the pass"] += period
+                own = next((f for f in frames if f.startswith("rksm")), frames[0] if frames else "?")
+                inner[own] += period
     total = sum(phases.values())
     pages = stats.get("first_pass_pages") or 0
     gb = pages * 4096 / 1e9
@@ -118,6 +130,10 @@ def main():
         if name == "pass":
             for mech, mns in mechanisms.most_common():
                 print(f"  {mech:42} {mns / 1e9:7.3f} {mns / 1e9 / gb:7.4f} {mns / total:6.1%}")
+    if functions:
+        print(f"\nthe pass by the innermost of rksm's own frames, the {functions} with the most")
+        for name, ns in inner.most_common(functions):
+            print(f"  {ns / 1e9:7.3f} {ns / total:6.1%}  {name[:110]}")
 
 
 if __name__ == "__main__":

@@ -177,7 +177,11 @@ impl SampleIndex {
 
     /// Follows `changes` of a target's pages.
     pub fn follow(&mut self, changes: &[DigestChange]) {
-        for &change in changes {
+        for (i, &change) in changes.iter().enumerate() {
+            // A batch's changes, whose digests are unrelated, as in `read_whole_all`.
+            if let Some(ahead) = changes.get(i + AHEAD) {
+                self.prefetch(ahead.digest());
+            }
             match change {
                 DigestChange::Counted(d) => {
                     // Counted at least once from now on: never lone, so in `counts`.

@@ -15,7 +15,7 @@ use crate::{
         checksum::NO_CHECKSUM,
         index::{Content, Index, PageRef, Placement},
         keys::PidMap,
-        pages::PageInfo,
+        pages::{PageInfo, Record},
     },
     kernel::ranges::RangeSet,
 };
@@ -189,6 +189,7 @@ impl Scanner {
         );
         let mut twin_list = Vec::new();
         let mut read_whole = Vec::new();
+        let mut records = Vec::with_capacity(candidates.len());
         for candidate in &candidates {
             let page = PageRef {
                 pid,
@@ -285,17 +286,15 @@ impl Scanner {
                 (true, Content::Loaded(_)) => slot.and_then(|slot| digests[slot]),
                 (true, Content::Unread) => candidate.digest,
             };
-            pages.set_with_digest(
-                page.addr,
-                PageInfo {
+            records.push(Record {
+                addr: page.addr,
+                info: PageInfo {
                     checksum,
                     placed: placement != Placement::Volatile,
                 },
                 digest,
-            );
-            if hold {
-                pages.hold(page.addr);
-            }
+                held: hold,
+            });
             // A page read whole (written, or new where nothing is sampled) that meets pages
             // only sampled: those are read whole at their target's next pass.
             if let (Some(digest), Content::Loaded(_)) = (digest, content) {
@@ -305,6 +304,7 @@ impl Scanner {
                 *known = checksum;
             }
         }
+        pages.record_all(&records);
         if let Some(samples) = self.samples.get_mut(&open.domain) {
             samples.read_whole_all(&read_whole);
         }

@@ -88,10 +88,7 @@ impl SampleBatch {
 
 /// Tells domain `domain`'s sample index what changed in `pages` (of `pid`).
 pub(super) fn settle(samples: &mut HashMap<u32, SampleIndex>, domain: u32, pages: &mut PageState) {
-    let changes = pages.take_changes();
-    if !changes.is_empty() {
-        samples.entry(domain).or_default().follow(&changes);
-    }
+    pages.settle_changes(|changes| samples.entry(domain).or_default().follow(changes));
 }
 
 impl Scanner {
@@ -154,6 +151,10 @@ impl Scanner {
                 continue;
             };
             let index = self.samples.entry(target.domain()).or_default();
+            // Room for every new page among the pages to read whole: most of a first pass's
+            // may be, and room not written to costs no memory.
+            let new_pages: u64 = presents.iter().flatten().flatten().map(Range::pages).sum();
+            work.sparse.reserve(new_pages as usize);
             let mut full = Vec::new();
             for (range, present) in std::mem::take(&mut work.full).into_iter().zip(presents) {
                 let Some(present) = present.filter(|_| !broken) else {
