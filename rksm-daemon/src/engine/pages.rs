@@ -251,6 +251,32 @@ impl PageState {
         })
     }
 
+    /// What is known about those of `addrs` that are known, in their order: [`PageState::get`]
+    /// of each, with one chunk lookup per run of addresses in one chunk.
+    pub fn known_at(&self, addrs: impl IntoIterator<Item = u64>) -> Vec<(u64, PageInfo)> {
+        let mut known = Vec::new();
+        let mut last: Option<(u64, Option<&Chunk>)> = None;
+        for addr in addrs {
+            let (key, slot) = split(addr);
+            let chunk = match last {
+                Some((at, chunk)) if at == key => chunk,
+                _ => {
+                    let chunk = self.chunks.get(&key).map(|c| &**c);
+                    last = Some((key, chunk));
+                    chunk
+                }
+            };
+            if let Some(chunk) = chunk.filter(|c| c.known >> slot & 1 == 1) {
+                let info = PageInfo {
+                    checksum: chunk.checksum(slot),
+                    placed: chunk.placed >> slot & 1 == 1,
+                };
+                known.push((addr, info));
+            }
+        }
+        known
+    }
+
     /// Records the page at `addr`.
     pub fn set(&mut self, addr: u64, info: PageInfo) {
         self.set_with_digest(addr, info, None);
@@ -748,6 +774,15 @@ mod tests {
             );
         }
         assert_eq!(one_by_one.take_changes(), at_once.take_changes());
+        let asked = [1, 2, 3, 63, 64, 66, 300, 301].map(|page| page * P);
+        assert_eq!(
+            at_once.known_at(asked),
+            asked
+                .iter()
+                .filter_map(|&a| Some((a, at_once.get(a)?)))
+                .collect::<Vec<_>>(),
+            "each known page asked for, in order"
+        );
         for &(page, _, _) in &pages {
             assert_eq!(at_once.get(page * P), Some(info(page)), "page {page}");
             assert_eq!(

@@ -197,6 +197,9 @@ pub(super) struct Class {
     pub(super) zero: bool,
     /// Its checksum, which the table finds it by.
     checksum: u64,
+    /// The release round in which its representative was last listed as a candidate (see
+    /// [`Index::company_to_list`](super::Index::company_to_list)); 0 for none.
+    pub(super) listed: u32,
 }
 
 impl Class {
@@ -210,6 +213,7 @@ impl Class {
             stable: false,
             zero: false,
             checksum: 0,
+            listed: 0,
         }
     }
 }
@@ -247,6 +251,7 @@ impl Single {
             stable: self.stable,
             zero: self.zero,
             checksum: 0,
+            listed: 0,
         }
     }
 }

@@ -171,6 +171,8 @@ pub struct Index {
     /// Pages found changed or gone while comparing, taken out of the index.
     stale: Vec<PageRef>,
     scratch: Option<Box<[u8; PAGE]>>,
+    /// The current round of [`Index::company_to_list`].
+    release_round: u32,
 }
 
 /// Representatives kept in memory: 4096 pages, 16 MiB.
@@ -199,6 +201,7 @@ impl Index {
             contents: 0,
             stale: Vec::new(),
             scratch: None,
+            release_round: 0,
         }
     }
 
@@ -529,14 +532,40 @@ impl Index {
     /// is not `page`), or `None` if `page` is not in the index under `checksum` or is alone
     /// in its class. No content is read: pages leave the index when they are written.
     pub fn company(&self, page: PageRef, checksum: u64) -> Option<PageRef> {
-        let class = self
-            .classes
-            .slots(checksum)
-            .map(|slot| self.classes.get(slot))
-            .find(|c| c.members.len() > 1 && c.members.contains(page))?;
+        let class = self.classes.get(self.class_with_company(page, checksum)?);
         match class.members.rep() {
             Some(rep) if rep != page => Some(rep),
             _ => class.members.iter().find(|&p| p != page),
+        }
+    }
+
+    /// The slot of the class `page` is in under `checksum`, if it has other pages.
+    fn class_with_company(&self, page: PageRef, checksum: u64) -> Option<u32> {
+        self.classes.slots(checksum).find(|&at| {
+            let members = &self.classes.get(at).members;
+            members.len() > 1 && members.contains(page)
+        })
+    }
+
+    /// Begins a round of [`Index::company_to_list`]: a pass's release of its held pages.
+    pub fn begin_release(&mut self) {
+        self.release_round = self.release_round.wrapping_add(1).max(1);
+    }
+
+    /// What a held page lets through the gate lists with itself as merge candidates, in the
+    /// round begun last ([`Index::begin_release`]): `None` if it has no company (see
+    /// [`Index::company`]); else its company, but for a representative listed already in
+    /// this round, as a page itself or as another's company (`Some(None)`). A content held
+    /// in four processes then lists its representative once, not four times; the pages
+    /// listed are the same.
+    pub fn company_to_list(&mut self, page: PageRef, checksum: u64) -> Option<Option<PageRef>> {
+        let at = self.class_with_company(page, checksum)?;
+        let round = self.release_round;
+        let class = self.classes.get_mut(at);
+        let listed = std::mem::replace(&mut class.listed, round) == round;
+        match class.members.rep() {
+            Some(rep) if rep != page => Some((!listed).then_some(rep)),
+            _ => Some(class.members.iter().find(|&p| p != page)),
         }
     }
 
@@ -877,6 +906,38 @@ mod tests {
             Placement::Duplicate { of: merged }
         );
         assert_eq!(index.top(1)[0].pids, [1, 2]);
+    }
+
+    #[test]
+    fn a_round_of_releases_lists_a_representative_once() {
+        let kind = ChecksumKind::Xxh64;
+        let mut index = Index::new(kind);
+        let mut mem = Memory::default();
+        let sum = kind.checksum(&[6; PAGE]);
+        let pages: Vec<PageRef> = (1..=4).map(|pid| mem.set(pid, 0, 6)).collect();
+        let (a, b, c, d) = (pages[0], pages[1], pages[2], pages[3]);
+        for &page in &pages {
+            let content = mem.pages[&page];
+            index.place_first_read(page, sum, false, Content::Loaded(&content), &mut mem);
+        }
+        index.begin_release();
+        // The representative's company is listed with it; then the others list only
+        // themselves, the representative being listed.
+        assert_eq!(index.company_to_list(a, sum), Some(Some(b)));
+        assert_eq!(index.company_to_list(b, sum), Some(None));
+        assert_eq!(index.company_to_list(d, sum), Some(None));
+        index.begin_release();
+        // Another round, another order: the first lists the representative, which, released
+        // after, still lists its own company.
+        assert_eq!(index.company_to_list(c, sum), Some(Some(a)));
+        assert_eq!(index.company_to_list(d, sum), Some(None));
+        assert_eq!(index.company_to_list(a, sum), Some(Some(b)));
+        // A page without company lists nothing, and is not let through.
+        let lone = mem.set(5, 0, 7);
+        let content = mem.pages[&lone];
+        let lone_sum = kind.checksum(&[7; PAGE]);
+        index.place_first_read(lone, lone_sum, false, Content::Loaded(&content), &mut mem);
+        assert_eq!(index.company_to_list(lone, lone_sum), None);
     }
 
     #[test]

@@ -387,6 +387,9 @@ impl Scanner {
                 Err(ProcessScanError::ShortOfFiles) => report.short_of_files.push(pid),
             }
         }
+        for index in self.indexes.values_mut() {
+            index.begin_release();
+        }
         for (target, work) in &mut plans {
             work.released = self.release_held(target);
         }

@@ -20,15 +20,14 @@ use crate::{
     kernel::ranges::RangeSet,
 };
 
-/// Records `page` and `of`, found equal under `checksum`, among the pass's merge candidates:
-/// marking both lets ksmd merge them.
-pub(super) fn add_pair(
+/// Records `pages`, found equal under `checksum`, among the pass's merge candidates: marking
+/// them lets ksmd merge them.
+pub(super) fn add_candidates(
     candidates: &mut PidMap<Vec<(u64, u64)>>,
-    page: PageRef,
-    of: PageRef,
+    pages: impl IntoIterator<Item = PageRef>,
     checksum: u64,
 ) {
-    for p in [page, of] {
+    for p in pages {
         candidates
             .entry(p.pid)
             .or_default()
@@ -258,7 +257,7 @@ impl Scanner {
                 Placement::Duplicate { of } => {
                     counts.duplicate_pages += 1;
                     if self.config.collect_merge_candidates {
-                        add_pair(&mut self.merge_candidates, page, of, checksum);
+                        add_candidates(&mut self.merge_candidates, [page, of], checksum);
                     }
                 }
                 Placement::Volatile => counts.volatile_pages += 1,

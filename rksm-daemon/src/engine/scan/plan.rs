@@ -6,8 +6,8 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use rksm_common::PAGE_SIZE;
 
 use super::{
-    place::add_pair, report::PageCounts, sampling::settle, InProgress, Open, ProcessScanError,
-    Scanner, Sparse, Step, Work, CHUNK_PAGES, READ_PAGES,
+    place::add_candidates, report::PageCounts, sampling::settle, InProgress, Open,
+    ProcessScanError, Scanner, Sparse, Step, Work, CHUNK_PAGES, READ_PAGES,
 };
 use crate::{
     engine::{
@@ -124,7 +124,7 @@ impl Scanner {
     pub(super) fn release_held(&mut self, target: &mut Target) -> u64 {
         let (pid, domain) = (target.pid(), target.domain());
         let mut held = target.take_held();
-        let Some(index) = self.indexes.get(&domain) else {
+        let Some(index) = self.indexes.get_mut(&domain) else {
             // Nothing to have company in: none passes, and none stays held.
             held.for_each(drop);
             return 0;
@@ -145,9 +145,13 @@ impl Scanner {
                 break;
             };
             let page = PageRef { pid, addr };
-            if let Some(other) = index.company(page, checksum) {
+            if let Some(other) = index.company_to_list(page, checksum) {
                 released += 1;
-                add_pair(&mut self.merge_candidates, page, other, checksum);
+                add_candidates(
+                    &mut self.merge_candidates,
+                    std::iter::once(page).chain(other),
+                    checksum,
+                );
             }
         }
         released

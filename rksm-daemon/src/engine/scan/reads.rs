@@ -413,11 +413,7 @@ impl Scanner {
         // What was known about these pages is taken out, and put back for those present.
         let old: Vec<(u64, PageInfo)> = match step.sparse {
             None => pages.pages_in(start, end),
-            Some(_) => looked_at
-                .iter()
-                .map(|&i| start + i as u64 * PAGE_SIZE)
-                .filter_map(|a| Some((a, pages.get(a)?)))
-                .collect(),
+            Some(_) => pages.known_at(looked_at.iter().map(|&i| start + i as u64 * PAGE_SIZE)),
         };
         let old_digests: Vec<Option<u32>> =
             old.iter().map(|&(a, _)| pages.counted_digest(a)).collect();
