@@ -14,8 +14,10 @@ moment (on a virtual machine whose host takes free memory back, that moves). Nee
 root. One run: this machine's speed moves from minute to minute, so compare
 shares, not seconds, across runs.
 
-With --functions N it also lists the N functions of the pass that the most samples are in,
-by the innermost of rksm's own frames (the kernel's and libc's work is its caller's).
+With --functions N it also lists the N of rksm's functions that the most of the pass's
+samples are in, with what they call (a function inlined into another counts apart), and of
+those the samples whose innermost own frame of rksm's it is (the kernel's and libc's work
+counted to the function of rksm's that called it).
 
     sudo scripts/first-pass-profile.py quarter-4g [RKSM] [--functions N]
 """
@@ -89,6 +91,8 @@ def main():
     functions = 0
     if "--functions" in args:
         at = args.index("--functions")
+        if at + 1 >= len(args) or not args[at + 1].isdigit():
+            sys.exit("first-pass-profile.py: --functions takes a number of functions")
         functions = int(args[at + 1])
         del args[at:at + 2]
     if not args:
@@ -108,13 +112,17 @@ def main():
         phases = collections.Counter()
         mechanisms = collections.Counter()
         inner = collections.Counter()
+        within = collections.Counter()
         for _, period, frames in perfdata.samples(data):
             phase = first_match(reversed(frames), PHASES) or "process start and end"
             phases[phase] += period
             if phase == "pass":
                 mechanisms[first_match(frames, MECHANISMS) or "the rest of the pass"] += period
-                own = next((f for f in frames if f.startswith("rksm")), frames[0] if frames else "?")
-                inner[own] += period
+                own = [f for f in frames if f.startswith("rksm")]
+                if own:
+                    inner[own[0]] += period
+                for name in set(own):
+                    within[name] += period
     total = sum(phases.values())
     pages = stats.get("first_pass_pages") or 0
     gb = pages * 4096 / 1e9
@@ -131,9 +139,10 @@ def main():
             for mech, mns in mechanisms.most_common():
                 print(f"  {mech:42} {mns / 1e9:7.3f} {mns / 1e9 / gb:7.4f} {mns / total:6.1%}")
     if functions:
-        print(f"\nthe pass by the innermost of rksm's own frames, the {functions} with the most")
-        for name, ns in inner.most_common(functions):
-            print(f"  {ns / 1e9:7.3f} {ns / total:6.1%}  {name[:110]}")
+        print(f"\nthe {functions} functions of rksm's the most of the pass is in: CPU s with what "
+              f"they call, and where they are the innermost of rksm's")
+        for name, ns in within.most_common(functions):
+            print(f"  {ns / 1e9:7.3f} {inner[name] / 1e9:7.3f}  {name[:110]}")
 
 
 if __name__ == "__main__":

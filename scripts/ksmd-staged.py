@@ -9,7 +9,14 @@ each hold the same MIB of pages (every page's contents its own), and in turn:
 
 - `all`: every process marks its pages mergeable at once (what rksm and the bench's
   ksmd-duplicates do);
-- `staged`: two processes mark theirs, and the others only once those two have merged.
+- `staged`: two processes mark theirs, and the others only once those two have merged;
+- `round`: two processes mark theirs, and the others as soon as ksmd has ended the round
+  that first visited those two: the others join its list behind its cursor, so its next
+  round visits them after the two it merges, and they meet the stable tree at their first
+  visit, with no round of their own spent on checksums;
+- `seeded`: as `round`, but the others first mark one page each along with the two, so that
+  ksmd lists their processes in its first round, and the rest of their pages, marked when
+  that round ends, are visited in the next one, after the two.
 
 For each, ksmd's CPU (its schedstat) and the seconds until pages_sharing reached 90% of
 what the pages allow, with ksmd paced as the daemon paces it (the marked pages swept in
@@ -18,7 +25,7 @@ first copies into the unstable tree, the second copies merged with them, the res
 from the stable tree), from its counters polled every 10 ms. ksmd's settings are put back
 at the end. Needs root and KSM with nothing else merging.
 
-    sudo scripts/ksmd-staged.py 256 4 3
+    sudo scripts/ksmd-staged.py 256 4 6
 """
 import functools
 import mmap
@@ -63,7 +70,10 @@ def child(pages, commands, ready):
     for i in range(pages):
         m[i * PAGE:i * PAGE + 16] = struct.pack("<QQ", i + 1, (i * 0x9E3779B97F4A7C15) & (2**64 - 1))
     os.write(ready, b"r")
-    os.read(commands, 1)
+    if os.read(commands, 1) == b"s":
+        m.madvise(mmap.MADV_MERGEABLE, 0, PAGE)
+        os.write(ready, b"s")
+        os.read(commands, 1)
     m.madvise(mmap.MADV_MERGEABLE)
     os.write(ready, b"m")
     while True:
@@ -75,7 +85,7 @@ def merging(pid):
         return int(f.read())
 
 
-def one_run(pages, copies, staged):
+def one_run(pages, copies, mode):
     ksm("run", 2)
     ksm("run", 0)
     kids = []
@@ -94,6 +104,7 @@ def one_run(pages, copies, staged):
             os.read(r, 1)
         base_sharing = ksm("pages_sharing")
         target = 0.9 * pages * (copies - 1)
+        staged = mode != "all"
         first = kids[:2] if staged else kids
         ksm("pages_to_scan", max(1, int(len(first) * pages * 0.020 / 0.5)))
         # Marked while ksmd is stopped, so that its first round visits all of them: a
@@ -102,12 +113,21 @@ def one_run(pages, copies, staged):
         for _, w, r in first:
             os.write(w, b"m")
             os.read(r, 1)
+        if mode == "seeded":
+            for _, w, r in kids[2:]:
+                os.write(w, b"s")
+                os.read(r, 1)
         cpu0, t0 = ksmd_cpu(), time.monotonic()
+        scans_at_start = ksm("full_scans")
         ksm("run", 1)
         rest = [] if not staged else kids[2:]
         deadline = t0 + 120
         while rest:
-            if all(merging(pid) >= pages for pid, _, _ in first):
+            if mode in ("round", "seeded"):
+                ready = ksm("full_scans") > scans_at_start
+            else:
+                ready = all(merging(pid) >= pages for pid, _, _ in first)
+            if ready:
                 ksm("pages_to_scan", max(1, int(copies * pages * 0.020 / 0.5)))
                 for _, w, r in rest:
                     os.write(w, b"m")
@@ -152,13 +172,14 @@ def main():
         sys.exit("ksmd-staged.py: COPIES must be at least 3 (two merge first, the rest later)")
     pages = mib * 256
     saved = {n: ksm(n) for n in ("run", "pages_to_scan", "sleep_millisecs")}
-    seen = {"all": [], "staged": []}
+    seen = {"all": [], "staged": [], "round": [], "seeded": []}
     phase_cpu = []
     try:
         ksm("sleep_millisecs", 20)
         for run in range(runs):
-            for mode in (("all", "staged") if run % 2 == 0 else ("staged", "all")):
-                cpu, secs, phases = one_run(pages, copies, mode == "staged")
+            modes = list(seen)
+            for mode in modes[run % len(modes):] + modes[:run % len(modes)]:
+                cpu, secs, phases = one_run(pages, copies, mode)
                 seen[mode].append((cpu, secs))
                 if mode == "all":
                     phase_cpu.append(phases)

@@ -154,6 +154,16 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
             );
             let run = bench::run_once(&plan, &profile_arg, config, checksum)
                 .map_err(|e| anyhow::anyhow!("{} {checksum}: {e}", config.name()))?;
+            // Each run's own, for the spread the medians hide.
+            if let Some(cpu) = run.cpu_to_90pct {
+                let part = |p: Option<f64>| p.map_or("-".to_string(), |p| format!("{p:.2}"));
+                log::info!(
+                    "bench: {} {checksum}, run {rep}: {cpu:.2} CPU s to 90% of the savings (ksmd {}, rksm {})",
+                    config.name(),
+                    part(run.ksmd_cpu_to_90pct),
+                    part(run.rksm_cpu_to_90pct)
+                );
+            }
             runs.push(run);
         }
         results.push(bench::median_of(runs));

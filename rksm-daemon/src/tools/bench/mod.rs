@@ -145,6 +145,10 @@ pub struct RunResult {
     /// tuned alone pays as well (so it bounds how far below ksmd-tuned rksm can get).
     #[serde(default)]
     pub ksmd_cpu_to_90pct: Option<f64>,
+    /// rksm's own part of it, the daemon's CPU until then. Of several runs, the median of
+    /// each run's part: the difference of the two medians above may be no run's.
+    #[serde(default)]
+    pub rksm_cpu_to_90pct: Option<f64>,
     /// Copy-on-write breaks the tracer saw (rksm modes only).
     pub cow_breaks: Option<u64>,
     /// ksmd's pages_unshared at the end.
@@ -248,6 +252,7 @@ pub fn median_of(mut runs: Vec<RunResult>) -> RunResult {
     typical.seconds_to_90pct = some(|r| r.seconds_to_90pct);
     typical.cpu_to_90pct = some(|r| r.cpu_to_90pct);
     typical.ksmd_cpu_to_90pct = some(|r| r.ksmd_cpu_to_90pct);
+    typical.rksm_cpu_to_90pct = some(|r| r.rksm_cpu_to_90pct);
     typical.checksum_ns_per_page = some(|r| r.checksum_ns_per_page);
     typical.steady_cpu_per_minute = some(|r| r.steady_cpu_per_minute);
     typical.steady_rksm_cpu_per_minute = some(|r| r.steady_rksm_cpu_per_minute);
@@ -382,6 +387,7 @@ mod tests {
             seconds_to_90pct: t90,
             cpu_to_90pct: cpu90,
             ksmd_cpu_to_90pct: cpu90.map(|c| c * 0.4),
+            rksm_cpu_to_90pct: cpu90.map(|c| c * 0.6),
             cow_breaks: None,
             pages_unshared: 10,
             unshared_per_sharing: 0.01,
@@ -425,6 +431,25 @@ mod tests {
         assert_eq!(m.seconds_to_90pct, Some(2.0));
         assert_eq!(m.unshared_per_sharing, 0.01, "recomputed from the medians");
         assert!(!m.integrity_ok);
+    }
+
+    #[test]
+    fn rksm_s_part_of_several_runs_is_the_median_of_each_run_s_part() {
+        // (rksm + ksmd, ksmd) CPU to 90% in three runs: rksm's parts 0.7, 1.1 and 0.9.
+        let runs = [(4.0, 3.3), (4.3, 3.2), (4.6, 3.7)].map(|(cpu, ksmd)| {
+            let mut r = run("ebpf", "xxh64", 5, Some(2.0), Some(cpu));
+            r.ksmd_cpu_to_90pct = Some(ksmd);
+            r.rksm_cpu_to_90pct = Some(cpu - ksmd);
+            r
+        });
+        let m = median_of(runs.to_vec());
+        assert_eq!(
+            (m.cpu_to_90pct, m.ksmd_cpu_to_90pct),
+            (Some(4.3), Some(3.3))
+        );
+        // Not 4.3 - 3.3, which no run had.
+        let own = m.rksm_cpu_to_90pct.expect("rksm's part");
+        assert!((own - 0.9).abs() < 1e-9, "{own}");
     }
 
     #[test]

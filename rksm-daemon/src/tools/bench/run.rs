@@ -588,6 +588,7 @@ fn summarize(
         seconds_to_90pct: at_90.map(|s| s.t),
         cpu_to_90pct: at_90.map(|s| s.rksm_cpu + s.ksmd_cpu),
         ksmd_cpu_to_90pct: at_90.map(|s| s.ksmd_cpu),
+        rksm_cpu_to_90pct: at_90.filter(|_| !mergeable).map(|s| s.rksm_cpu),
         cow_breaks: stat("cow_breaks"),
         pages_unshared: end.pages_unshared,
         unshared_per_sharing: if end.pages_sharing > 0 {

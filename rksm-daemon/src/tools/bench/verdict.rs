@@ -252,7 +252,7 @@ pub fn verdicts(runs: &[RunResult], profile: &Profile, memory: Option<MemorySpee
                 cpu <= c.limit * t,
             ));
             if let Some(k) = ebpf.ksmd_cpu_to_90pct {
-                let own = (cpu - k).max(0.0);
+                let own = ebpf.rksm_cpu_to_90pct.unwrap_or((cpu - k).max(0.0));
                 lines.push(line(
                     c_part,
                     profile,
@@ -365,6 +365,7 @@ mod tests {
     fn rows() -> Vec<RunResult> {
         let mut ebpf = run("ebpf", "xxh64", 40, Some(4.0), Some(1.0));
         ebpf.ksmd_cpu_to_90pct = Some(0.6);
+        ebpf.rksm_cpu_to_90pct = Some(0.4);
         ebpf.rss_bytes_per_page = Some(40.0);
         ebpf.peak_rss_bytes_per_page = Some(60.0);
         ebpf.first_pass_cpu = Some(0.5);
