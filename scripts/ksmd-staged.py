@@ -1,22 +1,23 @@
 #!/usr/bin/env python3
-"""What ksmd spends merging copies that meet a page already in its stable tree.
+"""What ksmd spends merging copies, and whether telling it of them in stages lowers it.
 
-ksmd looks a page up in its stable tree before anything else, so a page whose contents are
-merged already merges at its first visit; a page with nothing to meet there is visited
-once for its checksum and merged at the next visit at the earliest. This script measures
-what that difference is worth on ksmd alone, with nothing else running: COPIES processes
+Kernels whose `cmp_and_merge_page` looks a page up in the stable tree before it checks the
+page's checksum merge a copy of contents merged already at its first visit; on those that
+check the checksum first (6.18), every page not merged yet is visited once for its checksum
+and merged at the next visit at the earliest. This script measures what telling ksmd of
+the copies in stages is worth on ksmd alone, with nothing else running: COPIES processes
 each hold the same MIB of pages (every page's contents its own), and in turn:
 
 - `all`: every process marks its pages mergeable at once (what rksm and the bench's
   ksmd-duplicates do);
 - `staged`: two processes mark theirs, and the others only once those two have merged;
 - `round`: two processes mark theirs, and the others as soon as ksmd has ended the round
-  that first visited those two: the others join its list behind its cursor, so its next
-  round visits them after the two it merges, and they meet the stable tree at their first
-  visit, with no round of their own spent on checksums;
+  that first visited those two, in time to meet the two's contents merged at their own
+  first visit where the stable tree is looked in first;
 - `seeded`: as `round`, but the others first mark one page each along with the two, so that
-  ksmd lists their processes in its first round, and the rest of their pages, marked when
-  that round ends, are visited in the next one, after the two.
+  ksmd lists their processes in its first round, where a process that marks while ksmd
+  scans joins its list behind its cursor; the rest of their pages are marked when that
+  round ends.
 
 For each, ksmd's CPU (its schedstat) and the seconds until pages_sharing reached 90% of
 what the pages allow, with ksmd paced as the daemon paces it (the marked pages swept in
