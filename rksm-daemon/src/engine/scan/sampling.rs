@@ -151,8 +151,8 @@ impl Scanner {
                 continue;
             };
             let index = self.samples.entry(target.domain()).or_default();
-            // Room for every new page among the pages to read whole: most of a first pass's
-            // may be, and room not written to costs no memory.
+            // Room for every new page in the list of pages to read whole, which most of a
+            // first pass's may join: room never written to costs no memory.
             let new_pages: u64 = presents.iter().flatten().flatten().map(Range::pages).sum();
             work.sparse.reserve(new_pages as usize);
             let mut full = Vec::new();
