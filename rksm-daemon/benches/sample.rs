@@ -206,8 +206,8 @@ fn reads(c: &mut Criterion) {
         });
     }
     // Whole pages through the direct map, the frames read from pagemap each batch.
-    if let Ok(sampler) = rksm::ebpf::sampler::Sampler::load(&mut rksm::ebpf::Object::new()) {
-        let mut object = rksm::ebpf::Object::new();
+    let mut object = rksm::ebpf::Object::new();
+    if let Ok(sampler) = rksm::ebpf::sampler::Sampler::load(&mut object) {
         match rksm::ebpf::copier::Copier::load(&mut object, sampler.direct_map()) {
             Ok(mut copier) => {
                 let pagemap =
