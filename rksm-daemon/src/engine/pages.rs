@@ -91,6 +91,14 @@ impl Chunk {
     fn checksum(&self, slot: usize) -> u64 {
         self.checksums.as_ref().map_or(0, |c| c[slot])
     }
+
+    /// What is known about the page in `slot`, if anything.
+    fn info(&self, slot: usize) -> Option<PageInfo> {
+        (self.known >> slot & 1 == 1).then(|| PageInfo {
+            checksum: self.checksum(slot),
+            placed: self.placed >> slot & 1 == 1,
+        })
+    }
 }
 
 /// A change the sample index must follow.
@@ -244,11 +252,7 @@ impl PageState {
     /// What is known about the page at `addr`.
     pub fn get(&self, addr: u64) -> Option<PageInfo> {
         let (key, slot) = split(addr);
-        let chunk = self.chunks.get(&key)?;
-        (chunk.known >> slot & 1 == 1).then(|| PageInfo {
-            checksum: chunk.checksum(slot),
-            placed: chunk.placed >> slot & 1 == 1,
-        })
+        self.chunks.get(&key)?.info(slot)
     }
 
     /// What is known about those of `addrs` that are known, in their order: [`PageState::get`]
@@ -266,11 +270,7 @@ impl PageState {
                     chunk
                 }
             };
-            if let Some(chunk) = chunk.filter(|c| c.known >> slot & 1 == 1) {
-                let info = PageInfo {
-                    checksum: chunk.checksum(slot),
-                    placed: chunk.placed >> slot & 1 == 1,
-                };
+            if let Some(info) = chunk.and_then(|c| c.info(slot)) {
                 known.push((addr, info));
             }
         }

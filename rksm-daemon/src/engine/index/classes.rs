@@ -100,6 +100,15 @@ impl Members {
         }
     }
 
+    /// The page `page` has for company here: the representative if that is not `page`,
+    /// else another member; `None` if there is no other.
+    pub(super) fn company_of(&self, page: PageRef) -> Option<PageRef> {
+        match self.rep() {
+            Some(rep) if rep != page => Some(rep),
+            _ => self.iter().find(|&p| p != page),
+        }
+    }
+
     pub(super) fn add(&mut self, page: PageRef) {
         match self {
             Members::Inline { len, pages } if usize::from(*len) < INLINE => {

@@ -530,13 +530,12 @@ impl Index {
 
     /// Another page of the class `page` is in under `checksum` (its representative if that
     /// is not `page`), or `None` if `page` is not in the index under `checksum` or is alone
-    /// in its class. No content is read: pages leave the index when they are written.
-    pub fn company(&self, page: PageRef, checksum: u64) -> Option<PageRef> {
-        let class = self.classes.get(self.class_with_company(page, checksum)?);
-        match class.members.rep() {
-            Some(rep) if rep != page => Some(rep),
-            _ => class.members.iter().find(|&p| p != page),
-        }
+    /// in its class: what [`Index::company_to_list`] finds, without its round. No content is
+    /// read: pages leave the index when they are written.
+    #[cfg(test)]
+    fn company(&self, page: PageRef, checksum: u64) -> Option<PageRef> {
+        let at = self.class_with_company(page, checksum)?;
+        self.classes.get(at).members.company_of(page)
     }
 
     /// The slot of the class `page` is in under `checksum`, if it has other pages.
@@ -553,9 +552,11 @@ impl Index {
     }
 
     /// What a held page lets through the gate lists with itself as merge candidates, in the
-    /// round begun last ([`Index::begin_release`]): `None` if it has no company (see
-    /// [`Index::company`]); else its company, but for a representative listed already in
-    /// this round, as a page itself or as another's company (`Some(None)`). A content held
+    /// round begun last ([`Index::begin_release`]): `None` if it is not in the index under
+    /// `checksum` or is alone in its class; else another page of its class (its
+    /// representative if that is not `page`), but for a representative listed already in
+    /// this round, as a page itself or as another's company (`Some(None)`). No content is
+    /// read: pages leave the index when they are written. A content held
     /// in four processes then lists its representative once, not four times; the pages
     /// listed are the same.
     pub fn company_to_list(&mut self, page: PageRef, checksum: u64) -> Option<Option<PageRef>> {
@@ -563,13 +564,16 @@ impl Index {
         let round = self.release_round;
         let class = self.classes.get_mut(at);
         let listed = std::mem::replace(&mut class.listed, round) == round;
-        match class.members.rep() {
-            Some(rep) if rep != page => Some((!listed).then_some(rep)),
-            _ => Some(class.members.iter().find(|&p| p != page)),
-        }
+        let rep = class.members.rep();
+        Some(
+            class
+                .members
+                .company_of(page)
+                .filter(|&other| !(listed && Some(other) == rep)),
+        )
     }
 
-    /// Fetches where [`Index::company`] looks `checksum` up first: lookups of unrelated
+    /// Fetches where [`Index::company_to_list`] looks `checksum` up first: lookups of unrelated
     /// checksums in a row each wait for memory otherwise.
     pub fn prefetch_company(&self, checksum: u64) {
         self.classes.prefetch(checksum);
