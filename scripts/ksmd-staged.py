@@ -135,7 +135,9 @@ def one_run(pages, copies, mode):
                     os.read(r, 1)
                 rest = []
             elif time.monotonic() > deadline:
-                raise SystemExit("the first two did not merge within 120 s")
+                awaited = ("ksmd did not end its first round" if mode in ("round", "seeded")
+                           else "the first two did not merge")
+                raise SystemExit(f"ksmd-staged.py: {awaited} within 120 s")
             time.sleep(0.01)
         # ksmd's CPU when each phase ended: its first round (every page visited once, for
         # its checksum), the first merge (the first copy of each page in the unstable tree),
@@ -153,7 +155,7 @@ def one_run(pages, copies, mode):
                 phases["90%"] = cpu
                 break
             if time.monotonic() > deadline:
-                raise SystemExit("ksmd did not reach 90% within 120 s")
+                raise SystemExit("ksmd-staged.py: ksmd did not reach 90% within 120 s")
             time.sleep(0.01)
         return cpu, time.monotonic() - t0, phases
     finally:
