@@ -54,6 +54,11 @@ def main():
             report = json.load(f)
         print(f"{profile} (memcpy {report['memcpy_gbps']:.1f} GB/s, "
               f"process_vm_readv {report['process_vm_readv_gbps']:.1f} GB/s)\n")
+        # Reports written before the bench recorded its machine have none.
+        machine = report.get("machine")
+        if machine:
+            print(f"on {machine['cpu_model']}, {machine['cpus']} CPUs, "
+                  f"{machine['memory_gib']:.1f} GiB, Linux {machine['kernel']}\n")
         print(HEADER)
         for r in report["runs"]:
             print(row(r))

@@ -225,6 +225,19 @@ fn bench_compares_every_configuration_and_checks_integrity() {
             }
         }
     }
+    // The machine the figures belong to, read off this one.
+    let machine = &json["machine"];
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    assert_eq!(machine["kernel"], release.trim(), "{machine}");
+    assert!(
+        machine["cpus"].as_u64().is_some_and(|n| n >= 1),
+        "{machine}"
+    );
+    assert!(
+        machine["memory_gib"].as_f64().is_some_and(|g| g > 0.0),
+        "{machine}"
+    );
+    assert!(machine["xxh64_side_by_side"].is_boolean(), "{machine}");
     // The first pass's speed, next to the machine's memcpy.
     assert!(
         json["memcpy_gbps"].as_f64().is_some_and(|g| g > 0.0),
@@ -260,6 +273,13 @@ fn bench_compares_every_configuration_and_checks_integrity() {
     }
     // The report ends with a line per goal, judged, for reference, or not measured.
     let report = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(
+        report.contains(&format!(
+            "Machine: {}",
+            machine["cpu_model"].as_str().unwrap()
+        )),
+        "{report}"
+    );
     for goal in ["(a)", "(b)", "(c)", "(d)", "(e)", "(f)"] {
         assert!(
             report

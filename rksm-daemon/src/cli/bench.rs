@@ -120,6 +120,8 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
     // The memory's speed, what the first pass is held to, measured before the workloads run
     // (guests are judged on the whole run only).
     let memory = (!profile.is_guests()).then(bench::memory_speed);
+    let machine = bench::Machine::this();
+    log::info!("bench: on {}", machine.line());
     if let Some(m) = memory {
         log::info!(
             "bench: memcpy {:.1} GB/s, process_vm_readv {}",
@@ -169,9 +171,10 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         results.push(bench::median_of(runs));
     }
     let command = std::env::args().collect::<Vec<_>>().join(" ");
-    let table = bench::markdown(&results, &profile, &command, memory);
+    let table = bench::markdown(&results, &profile, &command, &machine, memory);
     let report = serde_json::json!({
         "runs": results,
+        "machine": machine,
         "memcpy_gbps": memory.map(|m| m.memcpy_gbps),
         "process_vm_readv_gbps": memory.and_then(|m| m.process_vm_readv_gbps),
     });

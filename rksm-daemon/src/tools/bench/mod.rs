@@ -21,10 +21,12 @@ use std::{
 use rksm_common::{PAGE, PAGE_SIZE};
 use serde::Serialize;
 
+mod machine;
 pub mod report;
 mod run;
 pub mod verdict;
 
+pub use machine::Machine;
 pub use report::{markdown, svg};
 pub use run::{run_once, settle, BenchError};
 

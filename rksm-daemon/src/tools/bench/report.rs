@@ -1,7 +1,7 @@
 //! The bench's report: its rows as Markdown tables, closed by the verdicts on the goals, and
 //! an SVG plot of `pages_sharing` and CPU over time, one line per run.
 
-use super::{verdict, MemorySpeed, RunResult, Sample};
+use super::{verdict, Machine, MemorySpeed, RunResult, Sample};
 use crate::tools::workload::Profile;
 
 /// The Markdown table of a comparison.
@@ -9,11 +9,13 @@ pub fn markdown(
     runs: &[RunResult],
     profile: &Profile,
     command: &str,
+    machine: &Machine,
     memory: Option<MemorySpeed>,
 ) -> String {
     let mut md = String::new();
     md.push_str(&format!(
-        "Command: `{command}`\n\nProfile: {}\n\n",
+        "Command: `{command}`\n\nMachine: {}\n\nProfile: {}\n\n",
+        machine.line(),
         serde_json::to_string(profile).unwrap_or_default()
     ));
     md.push_str("| mode | checksum | pages_sharing | pages hashed / pass | rksm CPU s | ksmd CPU s | s to 90% | CPU s to 90% | of which ksmd | steady CPU s/min (rksm+ksmd) | steady rksm CPU s/min | steady pass ms | CoW breaks | checksum ns/page | pages_unshared | unshared/sharing | integrity |\n");
