@@ -51,7 +51,8 @@ pub struct BenchArgs {
     /// The kernel the guests boot [default: the newest /boot/vmlinuz-*].
     #[arg(long, value_name = "FILE", requires = "guest_initrd")]
     guest_kernel: Option<PathBuf>,
-    /// Runs per configuration; medians are reported (default 1 with --quick, else 3).
+    /// Runs per configuration; medians are reported (default 1 with --quick, else 3). The
+    /// configurations take turns, in the opposite order every other round.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=20))]
     repeat: Option<u32>,
     /// Write report.md, report.json and pages_sharing.svg here.
@@ -130,7 +131,7 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
                 .map_or("not measured".into(), |r| format!("{r:.1} GB/s"))
         );
     }
-    let mut results: Vec<RunResult> = Vec::new();
+    let mut chosen = Vec::new();
     for (config, checksum) in bench::matrix() {
         if !args.only.is_empty() && !args.only.iter().any(|o| o == config.name()) {
             continue;
@@ -147,29 +148,31 @@ pub fn run_bench(args: BenchArgs) -> anyhow::Result<()> {
         {
             continue;
         }
-        let mut runs = Vec::new();
-        for rep in 1..=plan.repeat {
-            log::info!(
-                "bench: {} {checksum}, run {rep}/{}",
-                config.name(),
-                plan.repeat
-            );
-            let run = bench::run_once(&plan, &profile_arg, config, checksum)
-                .map_err(|e| anyhow::anyhow!("{} {checksum}: {e}", config.name()))?;
-            // Each run's own, for the spread the medians hide.
-            if let Some(cpu) = run.cpu_to_90pct {
-                let part = |p: Option<f64>| p.map_or("-".to_string(), |p| format!("{p:.2}"));
-                log::info!(
-                    "bench: {} {checksum}, run {rep}: {cpu:.2} CPU s to 90% of the savings (ksmd {}, rksm {})",
-                    config.name(),
-                    part(run.ksmd_cpu_to_90pct),
-                    part(run.rksm_cpu_to_90pct)
-                );
-            }
-            runs.push(run);
-        }
-        results.push(bench::median_of(runs));
+        chosen.push((config, checksum));
     }
+    let mut runs: Vec<Vec<RunResult>> = chosen.iter().map(|_| Vec::new()).collect();
+    for (which, rep) in bench::run_order(chosen.len(), plan.repeat) {
+        let (config, checksum) = chosen[which];
+        log::info!(
+            "bench: {} {checksum}, run {rep}/{}",
+            config.name(),
+            plan.repeat
+        );
+        let run = bench::run_once(&plan, &profile_arg, config, checksum)
+            .map_err(|e| anyhow::anyhow!("{} {checksum}: {e}", config.name()))?;
+        // Each run's own, for the spread the medians hide.
+        if let Some(cpu) = run.cpu_to_90pct {
+            let part = |p: Option<f64>| p.map_or("-".to_string(), |p| format!("{p:.2}"));
+            log::info!(
+                "bench: {} {checksum}, run {rep}: {cpu:.2} CPU s to 90% of the savings (ksmd {}, rksm {})",
+                config.name(),
+                part(run.ksmd_cpu_to_90pct),
+                part(run.rksm_cpu_to_90pct)
+            );
+        }
+        runs[which].push(run);
+    }
+    let results: Vec<RunResult> = runs.into_iter().map(bench::median_of).collect();
     let command = std::env::args().collect::<Vec<_>>().join(" ");
     let table = bench::markdown(&results, &profile, &command, &machine, memory);
     let report = serde_json::json!({

@@ -303,6 +303,23 @@ pub fn matrix() -> Vec<(Config, &'static str)> {
     m
 }
 
+/// The order of a bench's runs: `(configuration, repeat)` pairs, the `configurations` taking
+/// turns in rounds, each round in the opposite order of the one before: a machine that
+/// drifts over the minutes of a bench (a shared virtual machine does) would otherwise bias
+/// the comparison against whichever configuration's repeats ran last (docs/BENCHMARKS.md,
+/// "How it is run").
+pub fn run_order(configurations: usize, repeat: u32) -> Vec<(usize, u32)> {
+    let mut order = Vec::with_capacity(configurations * repeat as usize);
+    for rep in 1..=repeat {
+        let round: Vec<usize> = match rep % 2 {
+            1 => (0..configurations).collect(),
+            _ => (0..configurations).rev().collect(),
+        };
+        order.extend(round.into_iter().map(|c| (c, rep)));
+    }
+    order
+}
+
 /// The ebpf configuration with `--new-pages read`.
 pub const EBPF_READ: &str = "ebpf-read";
 
@@ -369,6 +386,31 @@ pub fn memory_speed() -> MemorySpeed {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn configurations_take_turns_in_rounds_of_alternating_order() {
+        assert_eq!(
+            run_order(3, 3),
+            vec![
+                (0, 1),
+                (1, 1),
+                (2, 1),
+                (2, 2),
+                (1, 2),
+                (0, 2),
+                (0, 3),
+                (1, 3),
+                (2, 3)
+            ]
+        );
+        // One run of each is the matrix's own order; every configuration runs `repeat` times.
+        assert_eq!(run_order(2, 1), vec![(0, 1), (1, 1)]);
+        let order = run_order(4, 5);
+        for c in 0..4 {
+            assert_eq!(order.iter().filter(|(which, _)| *which == c).count(), 5);
+        }
+        assert!(run_order(0, 3).is_empty());
+    }
 
     /// A row of `mode` with `checksum` that hashed `hashed` pages a steady pass and reached
     /// 90% of the savings in `t90` s and `cpu90` CPU s.
