@@ -109,7 +109,13 @@ def one(rksm, profile, mode, ksmd):
 def main():
     if len(sys.argv) < 3 or sys.argv[1] not in SHARING:
         sys.exit(f"usage: ksmd-part.py {{{','.join(SHARING)}}} RUNS [RKSM]")
-    profile, runs = sys.argv[1], int(sys.argv[2])
+    profile = sys.argv[1]
+    try:
+        runs = int(sys.argv[2])
+    except ValueError:
+        runs = 0
+    if runs < 1:
+        sys.exit(f"ksmd-part.py: RUNS must be a whole number of at least 1, not {sys.argv[2]!r}")
     rksm = sys.argv[3] if len(sys.argv) > 3 else "target/release/rksm"
     ksmd = subprocess.run(["pgrep", "-x", "ksmd"], capture_output=True, text=True,
                           check=True).stdout.split()[0]
