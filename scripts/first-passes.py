@@ -17,18 +17,12 @@ import statistics
 import subprocess
 import sys
 
+import ksm
 import workloads
 
 
-def reset_ksm():
-    """Unmerges what an earlier run left merged and stops ksmd; the daemon starts it."""
-    for value in ("2", "0"):
-        with open("/sys/kernel/mm/ksm/run", "w") as f:
-            f.write(value)
-
-
 def one_run(build, profile, passes):
-    reset_ksm()
+    ksm.reset()
     with workloads.running(build, profile) as pids:
         daemon = subprocess.Popen(
             [build, "--no-config", "daemon", *pids, "--dirty", "ebpf", "--interval", "1",
@@ -59,7 +53,7 @@ def main():
                 print(f"run {run + 1} {b}: {cpu:.3f} CPU s, {faults} page faults, "
                       f"peak {peak / 1024:.1f} MiB", flush=True)
     finally:
-        reset_ksm()
+        ksm.reset()
     for b, values in seen.items():
         cpu, faults, peak = (statistics.median(v[i] for v in values) for i in range(3))
         print(f"{b}: {passes} passes {cpu:.3f} CPU s, {faults:.0f} page faults, peak "

@@ -28,7 +28,6 @@ at the end. Needs root and KSM with nothing else merging.
 
     sudo scripts/ksmd-staged.py 256 4 6
 """
-import functools
 import mmap
 import os
 import statistics
@@ -36,33 +35,9 @@ import struct
 import sys
 import time
 
-KSM = "/sys/kernel/mm/ksm/"
+import ksm
+
 PAGE = 4096
-
-
-def ksm(name, value=None):
-    path = KSM + name
-    if value is None:
-        with open(path) as f:
-            return int(f.read().split()[0])
-    with open(path, "w") as f:
-        f.write(str(value))
-
-
-@functools.cache
-def ksmd_pid():
-    for p in os.listdir("/proc"):
-        try:
-            if p.isdigit() and open(f"/proc/{p}/comm").read().strip() == "ksmd":
-                return p
-        except OSError:
-            continue
-    sys.exit("ksmd-staged.py: no ksmd (a kernel without KSM?)")
-
-
-def ksmd_cpu():
-    with open(f"/proc/{ksmd_pid()}/schedstat") as f:
-        return int(f.read().split()[0]) / 1e9
 
 
 def child(pages, commands, ready):
@@ -87,8 +62,7 @@ def merging(pid):
 
 
 def one_run(pages, copies, mode):
-    ksm("run", 2)
-    ksm("run", 0)
+    ksm.reset()
     kids = []
     for _ in range(copies):
         c_r, c_w = os.pipe()
@@ -103,11 +77,11 @@ def one_run(pages, copies, mode):
     try:
         for _, _, r in kids:
             os.read(r, 1)
-        base_sharing = ksm("pages_sharing")
+        base_sharing = ksm.sysfs("pages_sharing")
         target = 0.9 * pages * (copies - 1)
         staged = mode != "all"
         first = kids[:2] if staged else kids
-        ksm("pages_to_scan", max(1, int(len(first) * pages * 0.020 / 0.5)))
+        ksm.sysfs("pages_to_scan", max(1, int(len(first) * pages * 0.020 / 0.5)))
         # Marked while ksmd is stopped, so that its first round visits all of them: a
         # process marked while ksmd scans another joins the list behind its cursor, and is
         # first visited in the next round.
@@ -118,18 +92,18 @@ def one_run(pages, copies, mode):
             for _, w, r in kids[2:]:
                 os.write(w, b"s")
                 os.read(r, 1)
-        cpu0, t0 = ksmd_cpu(), time.monotonic()
-        scans_at_start = ksm("full_scans")
-        ksm("run", 1)
+        cpu0, t0 = ksm.ksmd_cpu(), time.monotonic()
+        scans_at_start = ksm.sysfs("full_scans")
+        ksm.sysfs("run", 1)
         rest = [] if not staged else kids[2:]
         deadline = t0 + 120
         while rest:
             if mode in ("round", "seeded"):
-                ready = ksm("full_scans") > scans_at_start
+                ready = ksm.sysfs("full_scans") > scans_at_start
             else:
                 ready = all(merging(pid) >= pages for pid, _, _ in first)
             if ready:
-                ksm("pages_to_scan", max(1, int(copies * pages * 0.020 / 0.5)))
+                ksm.sysfs("pages_to_scan", max(1, int(copies * pages * 0.020 / 0.5)))
                 for _, w, r in rest:
                     os.write(w, b"m")
                     os.read(r, 1)
@@ -142,10 +116,10 @@ def one_run(pages, copies, mode):
         # ksmd's CPU when each phase ended: its first round (every page visited once, for
         # its checksum), the first merge (the first copy of each page in the unstable tree),
         # the second copies merged (pages_sharing at one a page), 90% of the savings.
-        scans0, phases = ksm("full_scans"), {}
+        scans0, phases = ksm.sysfs("full_scans"), {}
         while True:
-            sharing, cpu = ksm("pages_sharing") - base_sharing, ksmd_cpu() - cpu0
-            if "round 1" not in phases and ksm("full_scans") > scans0:
+            sharing, cpu = ksm.sysfs("pages_sharing") - base_sharing, ksm.ksmd_cpu() - cpu0
+            if "round 1" not in phases and ksm.sysfs("full_scans") > scans0:
                 phases["round 1"] = cpu
             if "first copies" not in phases and sharing > 0:
                 phases["first copies"] = cpu
@@ -174,11 +148,11 @@ def main():
     if copies < 3:
         sys.exit("ksmd-staged.py: COPIES must be at least 3 (two merge first, the rest later)")
     pages = mib * 256
-    saved = {n: ksm(n) for n in ("run", "pages_to_scan", "sleep_millisecs")}
+    saved = {n: ksm.sysfs(n) for n in ("run", "pages_to_scan", "sleep_millisecs")}
     seen = {"all": [], "staged": [], "round": [], "seeded": []}
     phase_cpu = []
     try:
-        ksm("sleep_millisecs", 20)
+        ksm.sysfs("sleep_millisecs", 20)
         for run in range(runs):
             modes = list(seen)
             for mode in modes[run % len(modes):] + modes[:run % len(modes)]:
@@ -189,11 +163,10 @@ def main():
                 print(f"run {run + 1} {mode}: ksmd {cpu:.3f} CPU s, {secs:.2f} s to 90%",
                       flush=True)
     finally:
-        ksm("run", 2)
-        ksm("run", 0)
-        ksm("pages_to_scan", saved["pages_to_scan"])
-        ksm("sleep_millisecs", saved["sleep_millisecs"])
-        ksm("run", saved["run"])
+        ksm.reset()
+        ksm.sysfs("pages_to_scan", saved["pages_to_scan"])
+        ksm.sysfs("sleep_millisecs", saved["sleep_millisecs"])
+        ksm.sysfs("run", saved["run"])
     # Each phase's CPU over the pages it is about: every copy for the first round, one copy
     # for the first and second copies, the others for the rest.
     if all(len(p) == 4 for p in phase_cpu):

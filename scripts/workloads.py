@@ -8,13 +8,15 @@ import subprocess
 
 
 @contextlib.contextmanager
-def running(rksm, profile):
-    """Starts the four workloads of PROFILE with the RKSM binary, waits until each has
-    filled its memory, and gives the daemon's `--pid` arguments for them; they are killed
-    on leaving. A workload that exits before it is ready is an error, not a wait."""
+def running(rksm, profile, extra=()):
+    """Starts the four workloads of PROFILE with the RKSM binary (with EXTRA arguments, such
+    as `--mark-duplicates`), waits until each has filled its memory, and gives the daemon's
+    `--pid` arguments for them; they are killed and reaped on leaving. A workload that exits
+    before it is ready is an error, not a wait."""
     workloads = [
         subprocess.Popen(
-            [rksm, "--no-config", "workload", "--profile", profile, "--index", str(i)],
+            [rksm, "--no-config", "workload", "--profile", profile, "--index", str(i),
+             *extra],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         for i in range(4)
     ]
@@ -31,3 +33,5 @@ def running(rksm, profile):
     finally:
         for w in workloads:
             w.kill()
+        for w in workloads:
+            w.wait(timeout=30)

@@ -26,7 +26,8 @@ pub struct Machine {
     pub virtual_machine: bool,
     /// Whether xxh64 hashes a batch's pages side by side here (AVX-512 F, DQ and VL).
     pub xxh64_side_by_side: bool,
-    /// Whether crc32c runs on the CPU's own instruction here (SSE4.2).
+    /// Whether crc32c runs on the CPU's own instruction here (SSE4.2). Checked on x86_64
+    /// only; false elsewhere.
     pub crc32c_in_hardware: bool,
 }
 
